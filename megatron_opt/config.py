@@ -1,0 +1,177 @@
+"""Megatron-LM's DistributedDataParallelConfig and OptimizerConfig, with the same field names and defaults.
+
+Fields that Megatron-LM has but megatron_opt does not implement are present (so Megatron launch code
+that sets them keeps working when they hold their defaults) and raise a clear error when set to
+anything else: nothing is silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class UnsupportedConfigError(ValueError):
+    """A config field is set to a value megatron_opt does not implement."""
+
+
+def _reject_unsupported(config: Any, unsupported: dict[str, Any], why: dict[str, str]) -> None:
+    for name, default in unsupported.items():
+        value = getattr(config, name)
+        if value != default:
+            raise UnsupportedConfigError(
+                f"{type(config).__name__}.{name}={value!r} is not supported by megatron_opt "
+                f"({why.get(name, 'not implemented')}); leave it at its default {default!r}."
+            )
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """Gradient-buffer and communication settings (megatron.core.distributed)."""
+
+    grad_reduce_in_fp32: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    align_param_gather: bool = False
+    use_distributed_optimizer: bool = False
+    num_distributed_optimizer_instances: int = 1
+    check_for_nan_in_grad: bool = False
+    check_for_large_grads: bool = False
+    bucket_size: Optional[int] = None
+    pad_buckets_for_high_nccl_busbw: bool = False
+    average_in_collective: bool = False
+    fp8_param_gather: bool = False
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    use_megatron_fsdp: bool = False
+    use_custom_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "no_shard"
+    nccl_ub: bool = False
+    delay_wgrad_compute: bool = False
+    reduce_scatter_with_fp32_accumulation: bool = False
+
+    _UNSUPPORTED = {
+        "num_distributed_optimizer_instances": 1,
+        "check_for_large_grads": False,
+        "fp8_param_gather": False,
+        "reuse_grad_buf_for_mxfp8_param_ag": False,
+        "use_megatron_fsdp": False,
+        "use_custom_fsdp": False,
+        "data_parallel_sharding_strategy": "no_shard",
+        "nccl_ub": False,
+        "reduce_scatter_with_fp32_accumulation": False,
+    }
+    _WHY = {
+        "num_distributed_optimizer_instances": "partial distributed optimizer is not implemented",
+        "fp8_param_gather": "fp8 params are not supported",
+        "use_megatron_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
+        "use_custom_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
+        "nccl_ub": "NCCL user buffers are not used",
+        "reduce_scatter_with_fp32_accumulation": "use grad_reduce_in_fp32=True instead",
+    }
+
+    def __post_init__(self) -> None:
+        _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise UnsupportedConfigError(
+                "overlap_param_gather=True needs use_distributed_optimizer=True (only the sharded "
+                "optimizer all-gathers params)."
+            )
+        if self.bucket_size is not None and self.bucket_size <= 0:
+            raise UnsupportedConfigError(f"bucket_size must be a positive element count or None, got {self.bucket_size}.")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer settings (megatron.core.optimizer.OptimizerConfig)."""
+
+    optimizer: str = "adam"
+    lr: Optional[float] = None
+    min_lr: Optional[float] = None
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
+    weight_decay: float = 0.01
+    fp16: bool = False
+    bf16: bool = False
+    params_dtype: torch.dtype = torch.float32
+    use_precision_aware_optimizer: bool = False
+    store_param_remainders: bool = True
+    main_grads_dtype: torch.dtype = torch.float32
+    main_params_dtype: torch.dtype = torch.float32
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-08
+    decoupled_weight_decay: bool = True
+    sgd_momentum: float = 0.9
+    use_distributed_optimizer: bool = False
+    overlap_param_gather: bool = False
+    overlap_param_gather_with_optimizer_step: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 0.0
+    clip_grad: float = 1.0
+    grad_norm_skip_threshold: Optional[float] = None
+    log_num_zeros_in_grad: bool = False
+    barrier_with_L1_time: bool = False
+    timers: Optional[Callable] = None
+    optimizer_cuda_graph: bool = False
+    apply_wd_to_qk_layernorm: bool = False
+    config_logger_dir: str = ""
+
+    _UNSUPPORTED = {
+        "use_precision_aware_optimizer": False,
+        "main_grads_dtype": torch.float32,
+        "main_params_dtype": torch.float32,
+        "exp_avg_dtype": torch.float32,
+        "exp_avg_sq_dtype": torch.float32,
+        "decoupled_weight_decay": True,
+        "overlap_param_gather_with_optimizer_step": False,
+        "optimizer_cpu_offload": False,
+        "optimizer_offload_fraction": 0.0,
+        "optimizer_cuda_graph": False,
+    }
+    _WHY = {
+        "use_precision_aware_optimizer": "master weights and moments are always fp32",
+        "decoupled_weight_decay": "Adam runs as AdamW (decoupled weight decay) only",
+        "optimizer_cpu_offload": "CPU offload of the optimizer is not implemented",
+        "optimizer_cuda_graph": "the step is not wrapped in a CUDA graph yet",
+    }
+
+    def __post_init__(self) -> None:
+        _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
+        if self.optimizer not in ("adam", "sgd"):
+            raise UnsupportedConfigError(
+                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam' or 'sgd'."
+            )
+        if self.fp16 and self.bf16:
+            raise UnsupportedConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
+        if self.lr is None:
+            raise UnsupportedConfigError("OptimizerConfig.lr must be set (the peak learning rate).")
+        if self.grad_norm_skip_threshold is not None and math.isinf(self.grad_norm_skip_threshold):
+            self.grad_norm_skip_threshold = None  # Megatron's default 'inf' means off.
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise UnsupportedConfigError(f"OptimizerConfig.loss_scale must be positive, got {self.loss_scale}.")
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return torch.float32
+
+
+def config_fields(cls: type) -> list[str]:
+    """Public field names of a config dataclass (the private class constants are not fields)."""
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+__all__ = ["DistributedDataParallelConfig", "OptimizerConfig", "UnsupportedConfigError", "config_fields"]

@@ -1,0 +1,166 @@
+"""Torch implementation of the step's two passes: the behavioural spec the CUDA kernels must match.
+
+Every function works on one rank's flat shard of one bucket, described by a SegmentTable, and
+keeps every per-step scalar on the tensors' device (no host synchronisation), except that
+``found_inf`` given to a pass-2 op is read on the host here; the optimizer passes ``found_inf=None``
+because it has already made the skip decision after its one sync per step.
+
+Stats layout (float64, accumulated so several shards can share one tensor):
+    stats[0] += number of non-finite grad elements in the segments
+    stats[1] += sum over in-norm segments of (grad * inv_scale) ** 2
+    stats[2] += number of grad elements equal to zero (+0.0 or -0.0) in the segments
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .segments import SegmentTable
+
+STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS = 0, 1, 2
+NUM_STATS = 3
+
+
+def grad_stats(
+    grad: torch.Tensor,
+    table: SegmentTable,
+    inv_scale: torch.Tensor,
+    stats: torch.Tensor,
+    count_zeros: bool = True,
+) -> None:
+    """Pass 1: reads the grads once, writes nothing but ``stats``."""
+    span = table.span()
+    if span is None:
+        return
+    flat = grad[span[0] : span[1]]
+    nonfinite = torch.isfinite(flat).logical_not_().sum()
+    runs = table.norm_runs()
+    if runs:
+        norms = torch._foreach_norm([grad[s:e] for s, e in runs], 2, dtype=torch.float32)
+        sumsq = torch.stack(norms).double().square().sum() * inv_scale.double().square().reshape(())
+    else:
+        sumsq = torch.zeros((), dtype=torch.float64, device=grad.device)
+    if count_zeros:
+        zeros = (flat == 0).sum() - table.padding_in_span()
+    else:
+        zeros = torch.zeros((), dtype=torch.int64, device=grad.device)
+    stats.add_(torch.stack([nonfinite.double(), sumsq, zeros.double()]))
+
+
+def copy_grads_to_main(
+    grad: torch.Tensor,
+    main_grad: torch.Tensor,
+    table: SegmentTable,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    """main_grad = float(grad) * inv_scale over the segment span; found_inf |= any non-finite grad."""
+    span = table.span()
+    if span is None:
+        return
+    src = grad[span[0] : span[1]]
+    dst = main_grad[span[0] : span[1]]
+    dst.copy_(src).mul_(inv_scale)
+    bad = torch.isfinite(src).logical_not_().any().to(found_inf.dtype)
+    torch.maximum(found_inf, bad, out=found_inf)
+
+
+def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
+    """step += 1, unless the device flag says the step is skipped."""
+    if found_inf is None:
+        step.add_(1)
+    else:
+        step.add_((found_inf.reshape(step.shape) == 0).to(step.dtype))
+
+
+def _skipped(found_inf: Optional[torch.Tensor]) -> bool:
+    return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def adamw_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: Optional[torch.Tensor],
+    table: SegmentTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    step: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """Pass 2, AdamW (decoupled weight decay, torch.optim.AdamW's formula) on the fp32 master shard.
+
+    ``lr`` and ``weight_decay`` are indexed by the table's group ids. ``step`` is the 1-based index
+    of this update (already advanced). ``param_out`` (model dtype) receives the rounded master; it
+    is None when the master aliases an fp32 param.
+    """
+    span = table.span()
+    if span is None or _skipped(found_inf):
+        return
+    a, b = span
+    g = grad[a:b].float() * grad_scale  # a new tensor: never scale the persistent grad buffer
+    m, v, w = exp_avg[a:b], exp_avg_sq[a:b], master[a:b]
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = step.double().reshape(())
+    bias_correction1 = 1 - beta1**t
+    bias_correction2_sqrt = (1 - beta2**t).sqrt()
+    update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(eps)
+    for s, e, gid in table.group_runs():
+        w_run = w[s - a : e - a]
+        decay = lr[gid] * weight_decay[gid]
+        if decay != 0:
+            w_run.mul_(1 - decay)
+        w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
+    if param_out is not None:
+        param_out[a:b].copy_(w)
+
+
+def sgd_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    momentum_buffer: Optional[torch.Tensor],
+    param_out: Optional[torch.Tensor],
+    table: SegmentTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    momentum: float,
+    nesterov: bool = False,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """Pass 2, torch.optim.SGD's formula (L2 weight decay, dampening 0).
+
+    A zero-initialised momentum buffer reproduces torch's first step (buf = g).
+    """
+    span = table.span()
+    if span is None or _skipped(found_inf):
+        return
+    a, b = span
+    g = grad[a:b].float() * grad_scale
+    w = master[a:b]
+    for s, e, gid in table.group_runs():
+        sl = slice(s - a, e - a)
+        if weight_decay[gid] != 0:
+            g[sl].add_(w[sl], alpha=weight_decay[gid])
+    if momentum != 0:
+        if momentum_buffer is None:
+            raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
+        buf = momentum_buffer[a:b]
+        buf.mul_(momentum).add_(g)
+        direction = g.add(buf, alpha=momentum) if nesterov else buf
+    else:
+        direction = g
+    for s, e, gid in table.group_runs():
+        sl = slice(s - a, e - a)
+        w[sl].sub_(direction[sl], alpha=lr[gid])
+    if param_out is not None:
+        param_out[a:b].copy_(w)

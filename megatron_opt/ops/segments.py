@@ -1,0 +1,81 @@
+"""The segment table: where the params lie inside one rank's flat shard of one bucket.
+
+Built once when the optimizer is constructed. Gaps between segments are bucket padding; their
+gradients are always exactly zero (the buffer is zeroed every step and only param views are
+written), so flat passes over a run that includes gaps stay correct.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class SegmentTable:
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    in_norm: tuple[bool, ...]  # False for shared / tensor-parallel-duplicate params
+    group: tuple[int, ...]  # param-group index of each segment (selects lr and weight decay)
+    numel: int  # size of the flat shard
+    _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.starts)
+        if not (len(self.ends) == len(self.in_norm) == len(self.group) == n):
+            raise ValueError("SegmentTable fields must have one entry per segment")
+        prev_end = 0
+        for s, e in zip(self.starts, self.ends):
+            if not (prev_end <= s < e <= self.numel):
+                raise ValueError(f"segments must be sorted, non-empty, disjoint and inside [0, {self.numel})")
+            prev_end = e
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.starts)
+
+    @property
+    def covered(self) -> int:
+        return sum(e - s for s, e in zip(self.starts, self.ends))
+
+    def span(self) -> Optional[tuple[int, int]]:
+        return (self.starts[0], self.ends[-1]) if self.starts else None
+
+    def padding_in_span(self) -> int:
+        span = self.span()
+        return 0 if span is None else (span[1] - span[0]) - self.covered
+
+    def runs(self, key: tuple) -> list[tuple[int, int, object]]:
+        """Maximal runs of consecutive segments with equal key (gaps between them are included)."""
+        out: list[list] = []
+        for s, e, k in zip(self.starts, self.ends, key):
+            if out and out[-1][2] == k:
+                out[-1][1] = e
+            else:
+                out.append([s, e, k])
+        return [tuple(r) for r in out]  # type: ignore[misc]
+
+    def norm_runs(self) -> list[tuple[int, int]]:
+        return [(s, e) for s, e, k in self.runs(self.in_norm) if k]
+
+    def group_runs(self) -> list[tuple[int, int, int]]:
+        return self.runs(self.group)  # type: ignore[return-value]
+
+    def device_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The table as device tensors for the CUDA kernels (built once per device)."""
+        key = str(device)
+        if key not in self._device_cache:
+            self._device_cache[key] = {
+                "bounds": torch.tensor(list(zip(self.starts, self.ends)), dtype=torch.int64).reshape(-1, 2).to(device),
+                "in_norm": torch.tensor(self.in_norm, dtype=torch.uint8).to(device),
+                "group": torch.tensor(self.group, dtype=torch.int32).to(device),
+            }
+        return self._device_cache[key]
+
+
+def full_table(numel: int) -> SegmentTable:
+    """One segment covering the whole shard, counted in the norm, group 0 (handy in tests)."""
+    if numel == 0:
+        return SegmentTable((), (), (), (), 0)
+    return SegmentTable((0,), (numel,), (True,), (0,), numel)
