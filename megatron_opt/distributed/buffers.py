@@ -1,0 +1,119 @@
+"""Contiguous param and grad storage for the params of one (param dtype, grad dtype) pair.
+
+After construction every param's ``.data`` is a view into ``param_data`` and ``param.main_grad``
+is a view into ``grad_data``. Buckets are the unit of communication; each carries its own
+launch state so a gradient arriving after its bucket was sent is caught, not lost.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import collectives
+from .layout import BufferLayout, Range
+
+
+class LateGradientError(RuntimeError):
+    """A gradient arrived for a param whose bucket was already reduced (CONTRACT rule 7)."""
+
+
+class Bucket:
+    def __init__(self, buffer: "ParamAndGradBuffer", index: int, rng: Range, params: list[torch.nn.Parameter]):
+        self.buffer = buffer
+        self.index = index
+        self.range = rng
+        self.params = params
+        self.param_data = buffer.param_data[rng.start : rng.end]
+        self.grad_data = buffer.grad_data[rng.start : rng.end]
+        shard = buffer.layout.buckets[index].shard_range(buffer.rank, buffer.shard_count)
+        self.grad_shard = buffer.grad_data[shard.start : shard.end]
+        self.param_shard = buffer.param_data[shard.start : shard.end]
+        self._pending: set[int] = set()
+        self.grad_handle = None
+        self.param_handle = None
+        self.reset()
+
+    @property
+    def launched(self) -> bool:
+        return self.grad_handle is not None
+
+    def reset(self) -> None:
+        self._pending = {id(p) for p in self.params}
+        self.grad_handle = None
+
+    def mark_ready(self, param: torch.nn.Parameter) -> bool:
+        """Record that ``param``'s last gradient of the step is in; True when the bucket is complete."""
+        self._pending.discard(id(param))
+        return not self._pending
+
+    def start_grad_sync(self, async_op: bool) -> None:
+        if self.launched:
+            return
+        if self.buffer.reduce_scatter:
+            self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group, async_op)
+        else:
+            self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)
+
+    def finish_grad_sync(self) -> None:
+        self.start_grad_sync(async_op=False)
+        self.grad_handle.wait()
+
+    def start_param_sync(self, async_op: bool) -> None:
+        if self.buffer.shard_count == 1:
+            return  # every rank updated the whole bucket itself
+        self.param_handle = collectives.all_gather(self.param_data, self.param_shard, self.buffer.group, async_op)
+
+    def finish_param_sync(self) -> None:
+        if self.param_handle is not None:
+            handle, self.param_handle = self.param_handle, None
+            handle.wait()
+
+
+class ParamAndGradBuffer:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        layout: BufferLayout,
+        grad_dtype: torch.dtype,
+        group: Optional[torch.distributed.ProcessGroup],
+        reduce_scatter: bool,
+        is_expert_parallel: bool = False,
+    ) -> None:
+        if len(params) != len(layout.numels):
+            raise ValueError("layout and params disagree")
+        self.params = params
+        self.names = names
+        self.layout = layout
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        self.group = group
+        self.reduce_scatter = reduce_scatter
+        self.is_expert_parallel = is_expert_parallel
+        self.shard_count = layout.shard_count
+        self.rank = collectives.rank(group) if reduce_scatter else 0
+        device = params[0].device
+        self.param_data = torch.zeros(layout.numel, dtype=self.param_dtype, device=device)
+        self.grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)
+        self.param_index = {id(p): i for i, p in enumerate(params)}
+        for i, p in enumerate(params):
+            rng = layout.param_ranges[i]
+            view = self.param_data[rng.start : rng.end]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view(p.shape)
+            p.main_grad = self.grad_data[rng.start : rng.end].view(p.shape)
+        self.buckets = [
+            Bucket(self, b.index, b.range, [params[i] for i in b.param_indices]) for b in layout.buckets
+        ]
+
+    def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
+        return self.buckets[self.layout.param_bucket[self.param_index[id(param)]]]
+
+    def name_of(self, param: torch.nn.Parameter) -> str:
+        return self.names[self.param_index[id(param)]]
+
+    def zero_grad(self) -> None:
+        self.grad_data.zero_()
+        for bucket in self.buckets:
+            bucket.reset()

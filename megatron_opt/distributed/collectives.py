@@ -1,0 +1,107 @@
+"""Thin wrappers over torch.distributed: one dtype per call, world size 1 short-circuits, gloo fallbacks.
+
+Every collective megatron_opt issues goes through here, so the dtype rule (CONTRACT rule 7) is
+checked in one place and tests can observe the traffic by wrapping these functions.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional[dist.ProcessGroup]
+
+
+class _Done:
+    """Handle of a collective that needed no communication (world size 1)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _FallbackReduceScatter:
+    """Async handle of an all-reduce emulating reduce-scatter; copies this rank's chunk on wait()."""
+
+    def __init__(self, work, full: torch.Tensor, shard: torch.Tensor, offset: int) -> None:
+        self._work, self._full, self._shard, self._offset = work, full, shard, offset
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        src = self._full[self._offset : self._offset + self._shard.numel()]
+        if src.data_ptr() != self._shard.data_ptr():
+            self._shard.copy_(src)
+
+
+def world_size(group: ProcessGroup) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: ProcessGroup) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _check_one_dtype(name: str, *tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"{name}: every tensor of one collective must share a dtype, got {sorted(map(str, dtypes))}")
+
+
+_reduce_scatter_supported = True
+
+
+def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
+    """SUM-reduce ``full`` (same size on every rank) and leave this rank's equal chunk in ``shard``.
+
+    ``shard`` may alias this rank's chunk of ``full`` (in-place, as Megatron does).
+    """
+    global _reduce_scatter_supported
+    _check_one_dtype("reduce_scatter", full, shard)
+    n = world_size(group)
+    if n == 1:
+        if shard.data_ptr() != full.data_ptr():
+            shard.copy_(full[: shard.numel()])
+        return _Done()
+    if full.numel() != shard.numel() * n:
+        raise RuntimeError(f"reduce_scatter: {full.numel()} elements do not split into {n} chunks of {shard.numel()}")
+    if _reduce_scatter_supported:
+        try:
+            work = dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            return work if async_op else _Done()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _reduce_scatter_supported = False  # old gloo: emulate below
+    work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    handle = _FallbackReduceScatter(work if async_op else None, full, shard, rank(group) * shard.numel())
+    if not async_op:
+        handle.wait()
+        return _Done()
+    return handle
+
+
+def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
+    """Gather every rank's equal chunk into ``full``; ``shard`` may alias this rank's chunk of it."""
+    _check_one_dtype("all_gather", full, shard)
+    if world_size(group) == 1:
+        if shard.data_ptr() != full.data_ptr():
+            full[: shard.numel()].copy_(shard)
+        return _Done()
+    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+    return work if async_op else _Done()
+
+
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+    if world_size(group) == 1:
+        return _Done()
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return work if async_op else _Done()
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) -> None:
+    if world_size(group) == 1:
+        return
+    dist.broadcast(tensor, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
+

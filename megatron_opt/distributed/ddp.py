@@ -1,0 +1,234 @@
+"""DistributedDataParallel: grad buffers, backward hooks, bucket reduction and param all-gather.
+
+Normalisation is deferred: the buckets are reduced with SUM and nothing multiplies the gradients.
+``grad_scale_factor`` (a device scalar, 1/DP by default) records what the gradients must be
+multiplied by, and the optimizer folds it into the one unscale scalar of its two passes. So
+``param.main_grad`` holds the raw sum; the logical gradient is ``main_grad * grad_scale_factor``.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional, Union
+
+import torch
+
+from ..config import DistributedDataParallelConfig
+from . import collectives
+from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
+from .layout import build_buffer_layout
+
+SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        ddp_config: Optional[DistributedDataParallelConfig] = None,
+        data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+        expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.ddp_config = ddp_config or DistributedDataParallelConfig()
+        self.data_parallel_group = data_parallel_group
+        self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
+        self.dp_size = collectives.world_size(data_parallel_group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("DistributedDataParallel: the module has no parameter with requires_grad=True.")
+        self._check_params(named)
+        self.buffers = self._build_buffers(named)
+        self._buffer_of = {id(p): buf for buf in self.buffers for p in buf.params}
+        self.generation = 0  # bumped by zero_grad_buffer(): lets the optimizer tell steps apart
+        self.grads_received = 0
+        self._sync_enabled = True
+        self._launch_cursor = 0
+        self._buckets = [b for buf in self.buffers for b in buf.buckets]
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
+        self._base_grad_scale = 1.0 / self.dp_size
+        self.grad_scale_factor = torch.full((1,), self._base_grad_scale, dtype=torch.float32, device=named[0][1].device)
+        for _, p in named:
+            p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        if self.ddp_config.overlap_param_gather:
+            self._register_forward_pre_hooks()
+
+    # ----------------------------------------------------------------- construction
+    @staticmethod
+    def _check_params(named: list) -> None:
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise ValueError(f"DistributedDataParallel: all trainable params must be on one device, got {devices}.")
+        for name, p in named:
+            if p.dtype not in SUPPORTED_PARAM_DTYPES:
+                raise TypeError(
+                    f"param '{name}' has dtype {p.dtype}; megatron_opt buffers hold float32, bfloat16 or "
+                    f"float16 params. Cast the module (e.g. module.to(torch.bfloat16)) or freeze the param "
+                    f"(requires_grad=False)."
+                )
+
+    def _build_buffers(self, named: list) -> list[ParamAndGradBuffer]:
+        cfg = self.ddp_config
+        groups: dict[tuple, list] = {}
+        for name, p in named:
+            grad_dtype = torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
+            is_expert = not getattr(p, "allreduce", True)
+            groups.setdefault((p.dtype, grad_dtype, is_expert), []).append((name, p))
+        bucket_size = cfg.bucket_size
+        if bucket_size is None and cfg.overlap_grad_reduce:
+            bucket_size = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron-LM's default
+        buffers = []
+        for (_, grad_dtype, is_expert), members in groups.items():
+            group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
+            shard_count = collectives.world_size(group) if cfg.use_distributed_optimizer else 1
+            params = [p for _, p in members]
+            layout = build_buffer_layout(
+                [p.numel() for p in params],
+                shard_count,
+                bucket_size=bucket_size,
+                pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw,
+                own_bucket=[getattr(p, "shared_embedding", False) for p in params],
+            )
+            buffers.append(
+                ParamAndGradBuffer(
+                    params, [n for n, _ in members], layout, grad_dtype, group,
+                    reduce_scatter=cfg.use_distributed_optimizer, is_expert_parallel=is_expert,
+                )
+            )
+        return buffers
+
+    def _register_forward_pre_hooks(self) -> None:
+        for module in self.module.modules():
+            buckets = {id(b): b for p in module.parameters(recurse=False) if id(p) in self._buffer_of
+                       for b in [self._buffer_of[id(p)].bucket_of(p)]}
+            if buckets:
+                module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values())))
+
+    @staticmethod
+    def _make_param_wait_hook(buckets: list[Bucket]):
+        def hook(module, args):
+            for bucket in buckets:
+                bucket.finish_param_sync()
+        return hook
+
+    # ----------------------------------------------------------------- forward / state
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs):
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    # ----------------------------------------------------------------- gradients
+    def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
+        grad, param.grad = param.grad, None
+        if grad is not None:
+            self.add_grad(param, grad)
+
+    def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+        """Accumulate ``grad`` into ``param.main_grad`` (in the buffer dtype) and mark the param ready.
+
+        The backward hooks call this; code that computes weight gradients outside autograd (deferred
+        wgrads) must call it too, before the last micro-batch's grad sync.
+        """
+        buf = self._buffer_of.get(id(param))
+        if buf is None:
+            raise ValueError("add_grad: this param is not managed by this DistributedDataParallel "
+                             "(it has requires_grad=False or belongs to another module).")
+        bucket = buf.bucket_of(param)
+        if bucket.launched:
+            raise LateGradientError(
+                f"gradient for param '{buf.name_of(param)}' arrived after its bucket {bucket.index} was "
+                f"launched for reduction, so it would be lost (CONTRACT rule 7). Flush deferred weight "
+                f"gradients before finish_grad_sync(), and call zero_grad_buffer() before a new step's backward."
+            )
+        param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
+        self.grads_received += 1
+        if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
+            bucket.mark_ready(param)
+            self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        # Launch strictly in bucket order so every rank issues its collectives in the same order,
+        # even when a param's grad is missing on some ranks (it then waits for finish_grad_sync).
+        while self._launch_cursor < len(self._buckets):
+            bucket = self._buckets[self._launch_cursor]
+            if bucket._pending:
+                return
+            self._launch(bucket, async_op=True)
+
+    def _launch(self, bucket: Bucket, async_op: bool) -> None:
+        if self.ddp_config.check_for_nan_in_grad:
+            self._nonfinite += torch.isfinite(bucket.grad_data).logical_not_().sum()
+        bucket.start_grad_sync(async_op)
+        self._launch_cursor = max(self._launch_cursor, self._buckets.index(bucket) + 1)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Micro-batches inside accumulate only; the one after it (the last) triggers the reduction."""
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = True
+
+    def start_grad_sync(self) -> None:
+        for bucket in self._buckets[self._launch_cursor :]:
+            self._launch(bucket, async_op=self.ddp_config.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        """Launch every bucket not yet launched (unused params contribute zeros) and wait for all."""
+        self.start_grad_sync()
+        for bucket in self._buckets:
+            bucket.finish_grad_sync()
+        if self.ddp_config.check_for_nan_in_grad:
+            flag = self._nonfinite.clone()
+            collectives.all_reduce(flag, self.data_parallel_group)
+            if int(flag.item()) > 0:  # every rank sees the same reduced count and raises together
+                raise RuntimeError(
+                    f"check_for_nan_in_grad: {int(flag.item())} non-finite gradient elements found before "
+                    f"the data-parallel reduction. Inspect the loss and the inputs of this step."
+                )
+
+    @property
+    def grad_sync_done(self) -> bool:
+        return all(b.launched for b in self._buckets)
+
+    def zero_grad_buffer(self) -> None:
+        """Start a new step: zero every grad buffer, reset bucket state and the scale factor."""
+        for buf in self.buffers:
+            buf.zero_grad()
+        self._launch_cursor = 0
+        self._nonfinite.zero_()
+        self.grad_scale_factor.fill_(self._base_grad_scale)
+        self.grads_received = 0
+        self.generation += 1
+
+    def scale_gradients(self, factor: Union[float, torch.Tensor]) -> None:
+        """Megatron's scale_gradients, deferred: multiplies grad_scale_factor instead of the buffer."""
+        self.grad_scale_factor.mul_(factor)
+
+    def set_grad_scale_factor(self, factor: Union[float, torch.Tensor]) -> None:
+        """Set the whole normalisation of this step's gradients (e.g. 1/N tokens), replacing 1/DP."""
+        self.grad_scale_factor.copy_(torch.as_tensor(factor, dtype=torch.float32).reshape(1))
+
+    # ----------------------------------------------------------------- params
+    def start_param_sync(self, force_sync: bool = False, buffers: Optional[list] = None) -> None:
+        """All-gather updated param shards; async (waited in forward pre-hooks) with overlap_param_gather."""
+        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        for buf in buffers if buffers is not None else self.buffers:
+            for bucket in reversed(buf.buckets):  # forward order: the first layers' bucket first
+                bucket.start_param_sync(async_op)
+                if not async_op:
+                    bucket.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        for bucket in self._buckets:
+            bucket.finish_param_sync()
+
+    def broadcast_params(self) -> None:
+        """Make every data-parallel rank start from rank 0's parameters."""
+        for buf in self.buffers:
+            collectives.broadcast(buf.param_data, 0, buf.group)
