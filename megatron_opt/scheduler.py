@@ -152,6 +152,8 @@ class OptimizerParamScheduler:
 
         if warmup > 0 and step <= warmup:
             return self.init_lr + (max_lr - self.init_lr) * step / warmup
+        if self.lr_decay_style == "constant":
+            return max_lr
         if step > decay_end:
             return min_lr
         if self.lr_decay_style == "inverse-square-root":
