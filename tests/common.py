@@ -1,0 +1,141 @@
+"""Models, data and reference computations shared by the test cases (imported inside workers too)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_opt as mo
+
+VOCAB, HIDDEN, SEQ = 64, 16, 8
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding -> Linear -> LayerNorm -> Linear, plus two fp32 'keep' params (like Mamba's A_log, D).
+
+    In a bf16 model the keep params stay fp32 and land in their own buffer, where ``keep_a`` straddles
+    a shard boundary at DP 2, 3 and 4 (layout: keep_d at 0..7, keep_a at 64..176).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.float32, seed: int = 1234) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.emb = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.fc = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, VOCAB)
+        self.keep_a = torch.nn.Parameter(torch.zeros(7 * HIDDEN))
+        self.keep_d = torch.nn.Parameter(torch.zeros(7))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        self.to(dtype)
+        self.keep_a.data = self.keep_a.data.float()
+        self.keep_d.data = self.keep_d.data.float()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(self.emb(tokens)))
+        mix = torch.tanh(h[..., :7]) @ self.keep_a.to(h.dtype).view(7, HIDDEN)
+        h = h + 0.5 * mix + torch.cat([h[..., :7] * self.keep_d.to(h.dtype), torch.zeros_like(h[..., 7:])], -1)
+        return self.out(self.norm(h))
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token cross-entropies, supervised token count); labels == -100 are ignored."""
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def global_batch(num_microbatches: int, mb_size: int = 2, seed: int = 7, ragged: bool = False):
+    """Micro-batches of (tokens, labels); ragged masks a varying number of labels per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    batches = []
+    for i in range(num_microbatches):
+        tokens = torch.randint(0, VOCAB, (mb_size, SEQ), generator=g)
+        labels = torch.randint(0, VOCAB, (mb_size, SEQ), generator=g)
+        if ragged:
+            keep = torch.randint(0, SEQ + 1, (mb_size, 1), generator=g)
+            labels = torch.where(torch.arange(SEQ) < keep, labels, torch.full_like(labels, -100))
+        batches.append((tokens, labels))
+    return batches
+
+
+def rank_microbatches(batches: list, rank: int, world: int) -> list:
+    per = len(batches) // world
+    return batches[rank * per : (rank + 1) * per]
+
+
+def build(model: torch.nn.Module, *, distributed: bool = True, grad_fp32: bool = True, overlap_grad: bool = False,
+          overlap_param: bool = False, bucket_size: Optional[int] = None, **opt_kwargs):
+    ddp_cfg = mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=grad_fp32, overlap_grad_reduce=overlap_grad,
+        overlap_param_gather=overlap_param, bucket_size=bucket_size,
+    )
+    ddp = mo.DistributedDataParallel(model, ddp_cfg)
+    opt_cfg = mo.OptimizerConfig(use_distributed_optimizer=distributed, **{"lr": 1e-2, **opt_kwargs})
+    return ddp, mo.get_megatron_optimizer(opt_cfg, ddp)
+
+
+def reference_adamw(model: torch.nn.Module, lr: float, weight_decay: float, betas=(0.9, 0.999), eps=1e-8):
+    """torch AdamW with Megatron's default groups: no weight decay on biases and 1-D params."""
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
+
+
+def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.data = p.data.double()
+    return ref
+
+
+def full_main_params(ddp: mo.DistributedDataParallel, opt) -> dict[str, torch.Tensor]:
+    """Every param's fp32 master, assembled from all ranks' shards (a collective)."""
+    children = getattr(opt, "chained_optimizers", [opt])
+    out = {}
+    for buf in ddp.buffers:
+        full = torch.zeros(buf.layout.numel, dtype=torch.float32)
+        for child in children:
+            for s in child._shards:
+                if s.buffer is buf:
+                    b = buf.layout.buckets[s.bucket.index].shard_range(buf.rank, buf.shard_count)
+                    full[b.start : b.end] = s.master
+        if buf.reduce_scatter and dist.is_initialized():
+            dist.all_reduce(full, group=buf.group)
+        for name, p, rng in zip(buf.names, buf.params, buf.layout.param_ranges):
+            out[name] = full[rng.start : rng.end].view(p.shape).clone()
+    return out
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def assert_identical_across_ranks(t: torch.Tensor) -> None:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    for r, other in enumerate(gathered):
+        assert torch.equal(other, t), f"rank {dist.get_rank()} and rank {r} hold different values"
+
+
+def rel_l2(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().reshape(-1), y.double().reshape(-1)
+    return float((x - y).norm() / y.norm().clamp_min(1e-30))
+
+
+def cosine_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """pith-train's metric 1 - 2<x,y>/(|x|^2+|y|^2): 0 for equal vectors."""
+    x, y = x.double().reshape(-1), y.double().reshape(-1)
+    return float(1 - 2 * (x @ y) / (x @ x + y @ y).clamp_min(1e-30))
+
+
+def microbatch_contexts(ddp: mo.DistributedDataParallel, n: int):
+    """no_sync for every micro-batch but the last."""
+    return [ddp.no_sync() if i < n - 1 else contextlib.nullcontext() for i in range(n)]

@@ -1,0 +1,124 @@
+"""Persistent gloo worker pools: one process group per world size, many test cases inside it.
+
+A test calls ``pool.run(func, *args)``; every rank imports ``func``'s module and runs it with the
+same arguments, and the per-rank return values come back as a list. An exception on any rank
+fails the test with that rank's traceback. A case that hangs (a rank stuck in a collective)
+hits the timeout; the pool is then torn down and rebuilt for the next test.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from typing import Any, Callable
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+CASE_TIMEOUT_S = float(os.environ.get("MEGATRON_OPT_CASE_TIMEOUT", "180"))
+PG_TIMEOUT_S = 60
+
+
+class RemoteError(AssertionError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
+    sys.path.insert(0, TESTS_DIR)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module, name, args, kwargs = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # report everything, keep serving
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.broken = False
+
+    def run(self, fn: Callable, *args: Any, timeout: float = CASE_TIMEOUT_S, **kwargs: Any) -> list:
+        msg = (fn.__module__, fn.__name__, args, kwargs)
+        for conn in self._conns:
+            conn.send(msg)
+        results, errors = [None] * self.world_size, []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout):
+                self.broken = True
+                raise RemoteError(f"rank {rank} did not finish {fn.__name__} within {timeout:.0f}s (hang?)")
+            status, value = conn.recv()
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise RemoteError(f"{fn.__name__} failed at world size {self.world_size}:\n" + "\n".join(errors))
+        return results
+
+    def close(self) -> None:
+        if not self.broken:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=5 if not self.broken else 0.1)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class Pools:
+    """Lazily started pools, one per world size, shared by the whole test session."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, WorkerPool] = {}
+
+    def __call__(self, world_size: int) -> WorkerPool:
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = self._pools[world_size] = WorkerPool(world_size)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
