@@ -9,6 +9,8 @@ from .optimizer.distrib_optimizer import DistributedOptimizer
 from .optimizer.factory import get_megatron_optimizer, get_param_groups
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer.step_machine import SkipReason, StepState
+from .scheduler import OptimizerParamScheduler
+from .training import TrainStepResult, canonical_lr, train_step
 
 __all__ = [
     "DistributedDataParallelConfig",
@@ -25,4 +27,8 @@ __all__ = [
     "DynamicGradScaler",
     "SkipReason",
     "StepState",
+    "OptimizerParamScheduler",
+    "train_step",
+    "TrainStepResult",
+    "canonical_lr",
 ]

@@ -1,0 +1,155 @@
+"""train_step: one optimizer step over a list of micro-batches, with exact loss normalisation.
+
+Normalisation happens exactly once (CONTRACT rules 10-12): every micro-batch backpropagates its
+*unnormalised* loss (times the loss scale), the buckets are reduced with SUM, and the step's
+denominator goes into the DDP's ``grad_scale_factor``, which the optimizer folds into the single
+unscale scalar of its two passes, ``inv_scale = grad_scale_factor / loss_scale``. There is no pass
+over the gradients for normalisation at any accumulation count.
+
+Loss modes:
+  * ``"per_token"`` (Megatron's calculate_per_token_loss): ``loss_fn`` returns
+    ``(sum of token losses, supervised token count[, {aux name: aux sum}])``. The denominator is
+    N = the token count summed over every micro-batch of the step and every data-parallel rank
+    (not tensor/context-parallel copies), clamped to >= 1 only once it is global.
+  * ``"mean"``: ``loss_fn`` returns ``(mean loss[, {aux name: aux mean}])`` per micro-batch; the
+    denominator is GA * DP, so the result is the mean over micro-batches and ranks.
+One all-reduce per step carries N and the loss sums; it is launched before the last micro-batch's
+backward so it overlaps with it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from .distributed import collectives
+from .distributed.ddp import DistributedDataParallel
+
+logger = logging.getLogger("megatron_opt")
+
+LossFn = Callable[[torch.nn.Module, Any], tuple]
+LOSS_MODES = ("per_token", "mean")
+
+
+@dataclass
+class TrainStepResult:
+    loss: float  # main loss / denominator, identical on every rank (CONTRACT rule 15)
+    success: bool
+    grad_norm: Optional[float]  # unscaled global norm before clipping; None on a skipped step
+    num_zeros: Optional[int]
+    loss_scale: float
+    lr: float
+    skipped_steps: int  # running count
+    num_tokens: int  # global denominator before clamping (tokens, or GA*DP in mean mode)
+    skip_reason: Optional[str] = None
+    aux_losses: dict[str, float] = field(default_factory=dict)
+
+
+def _split_loss_output(out: Any, mode: str) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
+    if not isinstance(out, (tuple, list)):
+        out = (out,)
+    want = 2 if mode == "per_token" else 1
+    if len(out) not in (want, want + 1):
+        form = "(loss_sum, num_tokens[, aux_sums])" if mode == "per_token" else "(mean_loss[, aux_means])"
+        raise ValueError(f"train_step(loss_mode={mode!r}): loss_fn must return {form}, got {len(out)} values.")
+    loss = out[0]
+    count = torch.as_tensor(out[1]) if mode == "per_token" else None
+    aux = dict(out[want]) if len(out) > want else {}
+    return loss, count, aux
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        return _batch_size(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_size(batch[0])
+    raise ValueError("train_step cannot infer the micro-batch size; pass samples_per_step.")
+
+
+def canonical_lr(param_groups: Sequence[dict]) -> float:
+    """The lr of the first group that follows the default schedule (what Megatron-LM logs)."""
+    for group in param_groups:
+        if group.get("default_config", True):
+            return float(group["lr"])
+    return float(param_groups[0]["lr"])
+
+
+def train_step(
+    model: DistributedDataParallel,
+    optimizer: Any,
+    scheduler: Optional[Any],
+    microbatches: Sequence[Any],
+    loss_fn: LossFn,
+    *,
+    loss_mode: str = "per_token",
+    samples_per_step: Optional[int] = None,
+) -> TrainStepResult:
+    """Forward and backward every micro-batch, step the optimizer once, advance the LR schedule by the
+    step's sample count only if the step succeeded.
+
+    ``loss_fn(model, microbatch)`` runs the forward pass and returns the loss terms described in the
+    module docstring. Auxiliary terms (MoE load balancing, z-loss, ...) are added to the loss that is
+    backpropagated and share its denominator; they are reported separately in ``aux_losses``.
+    """
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {loss_mode!r}.")
+    if not isinstance(model, DistributedDataParallel):
+        raise TypeError("train_step needs the megatron_opt.DistributedDataParallel-wrapped model.")
+    if not microbatches:
+        raise ValueError("train_step needs at least one micro-batch.")
+    if loss_mode == "per_token" and model.ddp_config.average_in_collective:
+        raise ValueError("per-token loss needs SUM reductions: set DistributedDataParallelConfig."
+                         "average_in_collective=False (the 1/N normalisation replaces the average).")
+    dp_group = model.data_parallel_group
+    device = model.grad_scale_factor.device
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+
+    aux_names: Optional[list[str]] = None
+    totals: Optional[torch.Tensor] = None  # [denominator, loss sum, aux sums...], local to this rank
+    handle = None
+    last = len(microbatches) - 1
+    for i, batch in enumerate(microbatches):
+        sync = contextlib.nullcontext() if i == last else model.no_sync()
+        with sync:
+            loss, count, aux = _split_loss_output(loss_fn(model, batch), loss_mode)
+            if aux_names is None:
+                aux_names = sorted(aux)
+                totals = torch.zeros(2 + len(aux_names), dtype=torch.float64, device=device)
+            if sorted(aux) != aux_names:
+                raise ValueError(f"micro-batch {i} returned aux losses {sorted(aux)}, earlier ones {aux_names}.")
+            terms = [loss] + [aux[name] for name in aux_names]
+            denominator = count if loss_mode == "per_token" else torch.ones(())
+            totals += torch.stack([denominator.to(device, torch.float64)] +
+                                  [t.detach().to(device, torch.float64).reshape(()) for t in terms])
+            if i == last:  # all counts are known: overlap the one all-reduce with the last backward
+                handle = collectives.all_reduce(totals, dp_group, async_op=True)
+            optimizer.scale_loss(sum(terms)).backward()
+    handle.wait()
+    denominator = totals[0].clamp(min=1.0)  # only the global count is clamped
+    model.set_grad_scale_factor(denominator.reciprocal().float())
+
+    success, grad_norm, num_zeros = optimizer.step()
+    if success and scheduler is not None:
+        if samples_per_step is None:
+            samples_per_step = collectives.world_size(dp_group) * sum(_batch_size(b) for b in microbatches)
+        scheduler.step(increment=samples_per_step)
+    values = totals.tolist()  # after the step: the optimizer already synchronised once
+    reason = getattr(optimizer, "last_skip_reason", None)
+    return TrainStepResult(
+        loss=values[1] / max(values[0], 1.0),
+        success=success,
+        grad_norm=grad_norm,
+        num_zeros=num_zeros,
+        loss_scale=float(optimizer.get_loss_scale().item()),
+        lr=canonical_lr(optimizer.param_groups),
+        skipped_steps=getattr(optimizer, "skipped_steps", 0),
+        num_tokens=int(values[0]),
+        skip_reason=None if success or reason is None else str(reason.value),
+        aux_losses={name: values[2 + k] / max(values[0], 1.0) for k, name in enumerate(aux_names or [])},
+    )
