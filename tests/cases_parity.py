@@ -27,7 +27,7 @@ class MasterWeightReference:
         self.compute = self.masters if model.out.weight.dtype == torch.float32 else copy.deepcopy(model)
         self.opt = reference_adamw(self.masters, lr, weight_decay)
 
-    def step(self, batches: list, clip_grad: float, world: int) -> float:
+    def step(self, batches: list, clip_grad: float, world: int, loss_mult: float = 1.0) -> float:
         """Same objective and the same split as the ranks: each micro-batch backpropagates its mean / GA
         in the model dtype, and the sum over micro-batches is divided by DP in fp64."""
         self.opt.zero_grad()
@@ -37,9 +37,9 @@ class MasterWeightReference:
         for x, y in batches:
             loss_sum, n = token_loss_sum(self.compute(x), y)
             if self.compute is self.masters:  # fp64 end to end: the split does not matter
-                (loss_sum / n / ga / world).backward()
+                (loss_sum / n / ga / world * loss_mult).backward()
                 continue
-            (loss_sum / n / ga).backward()
+            (loss_sum / n / ga * loss_mult).backward()
             for m, c in zip(self.masters.parameters(), self.compute.parameters()):
                 g = c.grad.double() / world
                 m.grad = g if m.grad is None else m.grad + g
@@ -54,7 +54,7 @@ class MasterWeightReference:
 
 
 def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad: float = 1.0,
-               lr: float = 1e-2, weight_decay: float = 0.1) -> dict:
+               lr: float = 1e-2, weight_decay: float = 0.1, loss_mult: float = 1.0) -> dict:
     """Train TinyLM for ``steps`` steps on DP ranks x ``ga`` micro-batches and compare with fp64 AdamW.
 
     Each micro-batch loss is its token mean; every micro-batch has the same token count, so the
@@ -75,10 +75,10 @@ def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad
         for ctx, (x, y) in zip(microbatch_contexts(ddp, ga), rank_microbatches(batches, rank, world)):
             with ctx:
                 loss_sum, n = token_loss_sum(ddp(x), y)
-                opt.scale_loss(loss_sum / n / ga).backward()
+                opt.scale_loss(loss_sum / n / ga * loss_mult).backward()
         success, norm, _ = opt.step()
         assert success, f"step {step} skipped unexpectedly"
-        norms.append((norm, ref.step(batches, clip_grad, world)))
+        norms.append((norm, ref.step(batches, clip_grad, world, loss_mult)))
     if ddp.ddp_config.overlap_param_gather:
         ddp.finish_param_sync()
     assert_identical_across_ranks(flat_params(model))

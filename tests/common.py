@@ -139,3 +139,38 @@ def cosine_diff(x: torch.Tensor, y: torch.Tensor) -> float:
 def microbatch_contexts(ddp: mo.DistributedDataParallel, n: int):
     """no_sync for every micro-batch but the last."""
     return [ddp.no_sync() if i < n - 1 else contextlib.nullcontext() for i in range(n)]
+
+
+class Probe(torch.nn.Module):
+    """One weight vector w; a micro-batch (c, n) has per-token loss sum n * c * w.sum(), so the
+    normalised gradient of every element is the token-weighted mean of c (closed form)."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, numel: int = 10) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(numel, dtype=dtype))
+
+    def forward(self, c: float) -> torch.Tensor:
+        return c * self.w.float().sum()
+
+
+def full_reduced_grads(ddp: mo.DistributedDataParallel) -> dict[str, torch.Tensor]:
+    """The reduced, normalised (x grad_scale_factor) gradient of every param, assembled on all ranks."""
+    out = {}
+    for buf in ddp.buffers:
+        full = torch.zeros(buf.layout.numel, dtype=torch.float64)
+        for bucket in buf.buckets:
+            if buf.reduce_scatter and dist.is_initialized() and buf.shard_count > 1:
+                parts = [torch.empty_like(bucket.grad_shard) for _ in range(buf.shard_count)]
+                dist.all_gather(parts, bucket.grad_shard.contiguous(), group=buf.group)
+                full[bucket.range.start : bucket.range.end] = torch.cat(parts).double()
+            else:
+                full[bucket.range.start : bucket.range.end] = bucket.grad_data.double()
+        full *= float(ddp.grad_scale_factor)
+        for name, p, rng in zip(buf.names, buf.params, buf.layout.param_ranges):
+            out[name] = full[rng.start : rng.end].view(p.shape).clone()
+    return out
+
+
+def sgd_exact(**kw) -> dict:
+    """Optimizer settings under which the update is exactly -gradient."""
+    return {**dict(optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0, lr=1.0), **kw}

@@ -54,6 +54,15 @@ def _check_one_dtype(name: str, *tensors: torch.Tensor) -> None:
 _reduce_scatter_supported = True
 
 
+def _reduce_scatter_op():
+    # torch 2.14 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_op():
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
     """SUM-reduce ``full`` (same size on every rank) and leave this rank's equal chunk in ``shard``.
 
@@ -70,7 +79,7 @@ def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
         raise RuntimeError(f"reduce_scatter: {full.numel()} elements do not split into {n} chunks of {shard.numel()}")
     if _reduce_scatter_supported:
         try:
-            work = dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+            work = _reduce_scatter_op()(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
             return work if async_op else _Done()
         except (RuntimeError, NotImplementedError, AttributeError):
             _reduce_scatter_supported = False  # old gloo: emulate below
@@ -89,7 +98,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, asy
         if shard.data_ptr() != full.data_ptr():
             full[: shard.numel()].copy_(shard)
         return _Done()
-    work = dist.all_gather_into_tensor(full, shard, group=group, async_op=async_op)
+    work = _all_gather_op()(full, shard, group=group, async_op=async_op)
     return work if async_op else _Done()
 
 
