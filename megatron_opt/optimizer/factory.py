@@ -89,7 +89,7 @@ def get_megatron_optimizer(
 ) -> Union[DistributedOptimizer, ChainedOptimizer]:
     """A DistributedOptimizer over the dense buffers; a ChainedOptimizer (dense + expert) when
     expert-parallel params (``param.allreduce == False``) exist."""
-    chunks = [model_chunks] if isinstance(model_chunks, DistributedDataParallel) else list(model_chunks)
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
     for chunk in chunks:
         if not isinstance(chunk, DistributedDataParallel):
             raise TypeError(f"get_megatron_optimizer needs megatron_opt.DistributedDataParallel chunks, got "
