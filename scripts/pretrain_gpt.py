@@ -1,0 +1,208 @@
+"""Pretrain a small GPT with megatron_opt under torchrun: CPU/gloo without a GPU, CUDA/NCCL with one.
+
+    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --steps 30
+
+The built-in dataset is character-level text taken from the docstrings of Python's standard library
+(present on every machine, nothing is downloaded), cut into documents of random length and padded
+with ignored labels, so micro-batches carry different numbers of supervised tokens and the
+per-token loss normalisation matters. Every step logs loss, grad norm, loss scale, lr, skipped
+steps and tokens/s.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import pydoc
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import megatron_opt as mo
+
+STDLIB_MODULES = ("collections", "functools", "itertools", "json", "os", "pathlib", "re", "string",
+                  "textwrap", "typing", "argparse", "logging", "dataclasses", "statistics", "heapq")
+
+
+# ----------------------------------------------------------------------------- data
+def build_corpus() -> str:
+    parts = []
+    for name in STDLIB_MODULES:
+        module = __import__(name)
+        parts.append(pydoc.getdoc(module))
+        for attr in sorted(dir(module)):
+            obj = getattr(module, attr, None)
+            if not attr.startswith("_") and callable(obj):
+                parts.append(pydoc.getdoc(obj))
+    return "\n\n".join(p for p in parts if p)
+
+
+class CharDataset:
+    """Random-length documents from the corpus; labels past a document's end are ignored (-100)."""
+
+    def __init__(self, text: str, seq_len: int, seed: int) -> None:
+        chars = sorted(set(text))
+        self.vocab = ["<pad>"] + chars
+        index = {c: i + 1 for i, c in enumerate(chars)}
+        self.data = torch.tensor([index[c] for c in text], dtype=torch.long)
+        self.seq_len = seq_len
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def microbatch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (size,), generator=self.gen)
+        lengths = torch.randint(self.seq_len // 4, self.seq_len + 1, (size,), generator=self.gen)
+        tokens = torch.stack([self.data[s : s + self.seq_len] for s in starts])
+        labels = torch.stack([self.data[s + 1 : s + self.seq_len + 1] for s in starts])
+        past_end = torch.arange(self.seq_len)[None, :] >= lengths[:, None]
+        return tokens.masked_fill(past_end, 0), labels.masked_fill(past_end, -100)
+
+
+# ----------------------------------------------------------------------------- model
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(hidden)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        self.proj = torch.nn.Linear(hidden, hidden)
+        self.ln2 = torch.nn.LayerNorm(hidden)
+        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
+        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, seq_len: int, hidden: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, hidden)
+        self.pos = torch.nn.Embedding(seq_len, hidden)
+        self.blocks = torch.nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.ndim > 1:
+                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "fc2.weight")) else 1))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token cross-entropies, supervised token count): Megatron's per-token loss form."""
+    tokens, labels = batch
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def gpt_mean_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor]:
+    loss_sum, count = gpt_loss(model, batch)
+    return (loss_sum / count.clamp(min=1),)
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--bf16", action="store_true")
+    precision.add_argument("--fp16", action="store_true")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0**16)
+    p.add_argument("--bucket-size", type=int, default=None, help="elements per gradient bucket")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument("--loss-mode", choices=mo.training.LOSS_MODES, default="per_token")
+    p.add_argument("--seed", type=int, default=1234)
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    if rank != 0:  # every rank makes the same skip decision; let rank 0 report it
+        logging.getLogger("megatron_opt").setLevel(logging.ERROR)
+    if not use_cuda:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+
+    dataset = CharDataset(build_corpus(), args.seq_len, seed=args.seed + rank)  # each rank its own data
+    torch.manual_seed(args.seed)
+    model = GPT(len(dataset.vocab), args.seq_len, args.hidden, args.layers, args.heads)
+    model = model.to(device, torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
+    ddp_config = mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, bucket_size=args.bucket_size,
+        overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+    )
+    ddp = mo.DistributedDataParallel(model, ddp_config)
+    ddp.broadcast_params()
+    opt_config = mo.OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad, bf16=args.bf16,
+        fp16=args.fp16, initial_loss_scale=args.initial_loss_scale, use_distributed_optimizer=True,
+    )
+    optimizer = mo.get_megatron_optimizer(opt_config, ddp)
+    samples_per_step = args.micro_batch_size * args.num_microbatches * world
+    scheduler = mo.OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.warmup_steps * samples_per_step, lr_decay_steps=args.steps * samples_per_step,
+        lr_decay_style="cosine", start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.steps * samples_per_step, wd_incr_style="constant",
+    )
+    loss_fn = gpt_loss if args.loss_mode == "per_token" else gpt_mean_loss
+    if rank == 0:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={world}, device={device}, "
+              f"dtype={next(model.parameters()).dtype}, ops backend={mo.ops.backend_for(next(model.parameters()))}, "
+              f"loss mode={args.loss_mode}", flush=True)
+    first_loss = last_loss = None
+    for step in range(1, args.steps + 1):
+        batches = [tuple(t.to(device) for t in dataset.microbatch(args.micro_batch_size))
+                   for _ in range(args.num_microbatches)]
+        start = time.perf_counter()
+        result = mo.train_step(ddp, optimizer, scheduler, batches, loss_fn, loss_mode=args.loss_mode,
+                               samples_per_step=samples_per_step)
+        if use_cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        first_loss = result.loss if first_loss is None else first_loss
+        last_loss = result.loss if result.success else last_loss
+        if rank == 0:
+            norm = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "skipped"
+            tokens = result.num_tokens if args.loss_mode == "per_token" else samples_per_step * args.seq_len
+            print(f"step {step:4d} | loss {result.loss:.4f} | grad norm {norm} | loss scale {result.loss_scale:g} "
+                  f"| lr {result.lr:.3e} | skipped {result.skipped_steps} | tokens/s {tokens / elapsed:,.0f}", flush=True)
+    if rank == 0:
+        print(f"done: loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
