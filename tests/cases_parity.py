@@ -54,7 +54,7 @@ class MasterWeightReference:
 
 
 def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad: float = 1.0,
-               lr: float = 1e-2, weight_decay: float = 0.1, loss_mult: float = 1.0) -> dict:
+               lr: float = 1e-2, weight_decay: float = 0.1, loss_mult: float = 1.0, distributed: bool = True) -> dict:
     """Train TinyLM for ``steps`` steps on DP ranks x ``ga`` micro-batches and compare with fp64 AdamW.
 
     Each micro-batch loss is its token mean; every micro-batch has the same token count, so the
@@ -64,7 +64,7 @@ def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad
     spec = PRECISIONS[precision]
     model = TinyLM(spec["dtype"])
     ref = MasterWeightReference(model, lr, weight_decay)
-    ddp, opt = build(model, overlap_grad=overlap, overlap_param=overlap, bucket_size=300 if overlap else None,
+    ddp, opt = build(model, distributed=distributed, overlap_grad=overlap, overlap_param=overlap, bucket_size=300 if overlap else None,
                      lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, **spec["opt"])
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
     norms = []
