@@ -139,14 +139,15 @@ def train_step(
         if samples_per_step is None:
             samples_per_step = collectives.world_size(dp_group) * sum(_batch_size(b) for b in microbatches)
         scheduler.step(increment=samples_per_step)
-    values = totals.tolist()  # after the step: the optimizer already synchronised once
+    # One host read for the report (the optimizer already synchronised once for its decision).
+    values = torch.cat([totals, optimizer.get_loss_scale().to(totals).reshape(1)]).tolist()
     reason = getattr(optimizer, "last_skip_reason", None)
     return TrainStepResult(
         loss=values[1] / max(values[0], 1.0),
         success=success,
         grad_norm=grad_norm,
         num_zeros=num_zeros,
-        loss_scale=float(optimizer.get_loss_scale().item()),
+        loss_scale=values[-1],
         lr=canonical_lr(optimizer.param_groups),
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
         num_tokens=int(values[0]),
