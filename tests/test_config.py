@@ -1,0 +1,291 @@
+"""Configs: Megatron-LM field names and defaults, and loud rejection of what megatron_opt does not implement."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import pytest
+import torch
+
+from megatron_opt.config import (
+    DistributedDataParallelConfig,
+    OptimizerConfig,
+    UnsupportedConfigError,
+    config_fields,
+)
+
+# CI installs megatron-core: import it unconditionally so that a missing dependency fails loudly.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.distributed import DistributedDataParallelConfig as MDDP
+    from megatron.core.optimizer import OptimizerConfig as MOC
+
+LR = 1e-3
+
+# Fields whose defaults are documented to differ from megatron-core's in representation only.
+# grad_norm_skip_threshold: megatron-core uses inf, we use None; both mean "off" (inf is mapped to None).
+DOCUMENTED_DEFAULT_DIFFERENCES = {"grad_norm_skip_threshold"}
+
+# (field, a non-default value). The field list is the spec: megatron_opt does not implement these.
+DDP_UNSUPPORTED = [
+    ("num_distributed_optimizer_instances", 2),
+    ("check_for_large_grads", True),
+    ("fp8_param_gather", True),
+    ("reuse_grad_buf_for_mxfp8_param_ag", True),
+    ("use_megatron_fsdp", True),
+    ("use_custom_fsdp", True),
+    ("data_parallel_sharding_strategy", "optim_grads_params"),
+    ("nccl_ub", True),
+    ("reduce_scatter_with_fp32_accumulation", True),
+]
+OPT_UNSUPPORTED = [
+    ("use_precision_aware_optimizer", True),
+    ("main_grads_dtype", torch.bfloat16),
+    ("main_params_dtype", torch.float16),
+    ("exp_avg_dtype", torch.bfloat16),
+    ("exp_avg_sq_dtype", torch.bfloat16),
+    ("decoupled_weight_decay", False),
+    ("overlap_param_gather_with_optimizer_step", True),
+    ("optimizer_cpu_offload", True),
+    ("optimizer_offload_fraction", 0.5),
+    ("optimizer_cuda_graph", True),
+]
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def _shared_defaults(ours: type, theirs: type):
+    mine = {f.name: f for f in dataclasses.fields(ours)}
+    ref = {f.name: f for f in dataclasses.fields(theirs)}
+    shared = [n for n in mine if n in ref and n not in DOCUMENTED_DEFAULT_DIFFERENCES]
+    return [(n, _default(mine[n]), _default(ref[n])) for n in shared]
+
+
+# --------------------------------------------------------------------------------------------------
+# Defaults match megatron-core
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ours, theirs", [(DistributedDataParallelConfig, MDDP), (OptimizerConfig, MOC)])
+def test_defaults_equal_megatron_core(ours, theirs):
+    shared = _shared_defaults(ours, theirs)
+    # Guard against a vacuous comparison (e.g. if fields were renamed on either side).
+    assert len(shared) >= 15
+    mismatches = [(n, a, b) for n, a, b in shared if a != b]
+    assert not mismatches, f"defaults differ from megatron-core: {mismatches}"
+
+
+@pytest.mark.parametrize("ours, theirs", [(DistributedDataParallelConfig, MDDP), (OptimizerConfig, MOC)])
+def test_constructed_defaults_equal_megatron_core(ours, theirs):
+    """Compare instances (after __post_init__), not just declared defaults."""
+    kwargs = {"lr": LR} if ours is OptimizerConfig else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = theirs(**kwargs)
+    mine = ours(**kwargs)
+    names = [n for n in config_fields(ours) if hasattr(ref, n) and n not in DOCUMENTED_DEFAULT_DIFFERENCES]
+    assert len(names) >= 15
+    diffs = {n: (getattr(mine, n), getattr(ref, n)) for n in names if getattr(mine, n) != getattr(ref, n)}
+    assert not diffs
+
+
+def test_megatron_field_names_present():
+    # Megatron launch code sets these by name; they must exist with Megatron's spelling.
+    ddp = set(config_fields(DistributedDataParallelConfig))
+    opt = set(config_fields(OptimizerConfig))
+    for name in (
+        "grad_reduce_in_fp32",
+        "overlap_grad_reduce",
+        "overlap_param_gather",
+        "use_distributed_optimizer",
+        "bucket_size",
+        "average_in_collective",
+        "check_for_nan_in_grad",
+        "pad_buckets_for_high_nccl_busbw",
+    ):
+        assert name in ddp
+        assert name in {f.name for f in dataclasses.fields(MDDP)}
+    for name in (
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "fp16",
+        "bf16",
+        "loss_scale",
+        "initial_loss_scale",
+        "min_loss_scale",
+        "loss_scale_window",
+        "hysteresis",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "clip_grad",
+        "use_distributed_optimizer",
+    ):
+        assert name in opt
+        assert name in {f.name for f in dataclasses.fields(MOC)}
+    # private class constants are not dataclass fields
+    assert not any(n.startswith("_") for n in ddp | opt)
+
+
+def test_specific_defaults():
+    c = OptimizerConfig(lr=LR)
+    assert c.optimizer == "adam"
+    assert c.initial_loss_scale == 2**32
+    assert c.min_loss_scale == 1.0
+    assert c.loss_scale_window == 1000
+    assert c.hysteresis == 2
+    assert c.clip_grad == 1.0
+    assert c.weight_decay == 0.01
+    assert (c.adam_beta1, c.adam_beta2, c.adam_eps) == (0.9, 0.999, 1e-8)
+    assert c.grad_norm_skip_threshold is None
+    d = DistributedDataParallelConfig()
+    assert d.bucket_size is None
+    assert not d.use_distributed_optimizer and not d.overlap_grad_reduce
+
+
+# --------------------------------------------------------------------------------------------------
+# Unsupported fields
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_message(err: UnsupportedConfigError, name: str, default) -> None:
+    msg = str(err)
+    assert name in msg
+    assert "default" in msg
+    assert repr(default) in msg
+
+
+@pytest.mark.parametrize("name, value", DDP_UNSUPPORTED)
+def test_ddp_unsupported_field_raises(name, value):
+    default = _default({f.name: f for f in dataclasses.fields(DistributedDataParallelConfig)}[name])
+    assert value != default
+    with pytest.raises(UnsupportedConfigError) as ei:
+        DistributedDataParallelConfig(**{name: value})
+    _check_message(ei.value, name, default)
+    # the default itself is accepted when set explicitly
+    DistributedDataParallelConfig(**{name: default})
+
+
+@pytest.mark.parametrize("name, value", OPT_UNSUPPORTED)
+def test_optimizer_unsupported_field_raises(name, value):
+    default = _default({f.name: f for f in dataclasses.fields(OptimizerConfig)}[name])
+    assert value != default
+    with pytest.raises(UnsupportedConfigError) as ei:
+        OptimizerConfig(lr=LR, **{name: value})
+    _check_message(ei.value, name, default)
+    OptimizerConfig(lr=LR, **{name: default})
+
+
+def test_unsupported_error_is_value_error():
+    assert issubclass(UnsupportedConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(grad_reduce_in_fp32=True),
+        dict(overlap_grad_reduce=True),
+        dict(use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True),
+        dict(check_for_nan_in_grad=True),
+        dict(bucket_size=40_000_000),
+        dict(average_in_collective=True),
+        dict(pad_buckets_for_high_nccl_busbw=True),
+        dict(align_param_gather=True),
+        dict(delay_wgrad_compute=True),
+    ],
+)
+def test_ddp_supported_values_accepted(kwargs):
+    c = DistributedDataParallelConfig(**kwargs)
+    for k, v in kwargs.items():
+        assert getattr(c, k) == v
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(optimizer="sgd"),
+        dict(fp16=True),
+        dict(bf16=True),
+        dict(loss_scale=1024.0),
+        dict(use_distributed_optimizer=True),
+        dict(grad_norm_skip_threshold=10.0),
+        dict(weight_decay=0.1, clip_grad=0.0),
+        dict(store_param_remainders=False),
+    ],
+)
+def test_optimizer_supported_values_accepted(kwargs):
+    c = OptimizerConfig(lr=LR, **kwargs)
+    for k, v in kwargs.items():
+        assert getattr(c, k) == v
+
+
+# --------------------------------------------------------------------------------------------------
+# Other validation
+# --------------------------------------------------------------------------------------------------
+
+
+def test_unknown_keyword_raises_type_error():
+    with pytest.raises(TypeError):
+        OptimizerConfig(lr=LR, not_a_field=1)
+    with pytest.raises(TypeError):
+        DistributedDataParallelConfig(not_a_field=1)
+    # private class constants are not constructor keywords
+    with pytest.raises(TypeError):
+        OptimizerConfig(lr=LR, _UNSUPPORTED={})
+
+
+def test_lr_none_raises():
+    with pytest.raises(UnsupportedConfigError, match="lr"):
+        OptimizerConfig()
+    with pytest.raises(UnsupportedConfigError, match="lr"):
+        OptimizerConfig(lr=None)
+
+
+def test_fp16_and_bf16_raises():
+    with pytest.raises(UnsupportedConfigError, match="fp16"):
+        OptimizerConfig(lr=LR, fp16=True, bf16=True)
+
+
+@pytest.mark.parametrize("name", ["lion", "muon", "Adam", ""])
+def test_unsupported_optimizer_raises(name):
+    with pytest.raises(UnsupportedConfigError) as ei:
+        OptimizerConfig(lr=LR, optimizer=name)
+    assert "optimizer" in str(ei.value)
+    assert repr(name) in str(ei.value)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_nonpositive_loss_scale_raises(value):
+    with pytest.raises(UnsupportedConfigError, match="loss_scale"):
+        OptimizerConfig(lr=LR, loss_scale=value)
+
+
+def test_grad_norm_skip_threshold_inf_means_off():
+    assert OptimizerConfig(lr=LR, grad_norm_skip_threshold=math.inf).grad_norm_skip_threshold is None
+    assert OptimizerConfig(lr=LR, grad_norm_skip_threshold=None).grad_norm_skip_threshold is None
+    assert OptimizerConfig(lr=LR, grad_norm_skip_threshold=5.0).grad_norm_skip_threshold == 5.0
+
+
+def test_overlap_param_gather_needs_distributed_optimizer():
+    with pytest.raises(UnsupportedConfigError, match="use_distributed_optimizer"):
+        DistributedDataParallelConfig(overlap_param_gather=True)
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_nonpositive_bucket_size_raises(value):
+    with pytest.raises(UnsupportedConfigError, match="bucket_size"):
+        DistributedDataParallelConfig(bucket_size=value)
+
+
+def test_model_dtype():
+    assert OptimizerConfig(lr=LR).model_dtype == torch.float32
+    assert OptimizerConfig(lr=LR, fp16=True).model_dtype == torch.float16
+    assert OptimizerConfig(lr=LR, bf16=True).model_dtype == torch.bfloat16
