@@ -1,0 +1,252 @@
+"""CUDA implementations of the step's fused operations (wrapping the compiled ``megatron_opt._C``).
+
+Same signatures and semantics as :mod:`megatron_opt.ops.reference`. Importing this module raises
+ImportError when the extension was not built (``megatron_opt.ops`` then falls back to the reference).
+
+Nothing here synchronises with the host: every per-step scalar (inv_scale, grad_scale, step,
+found_inf) stays on the device, and the per-group ``lr``/``weight_decay`` lists travel in the kernel
+arguments (up to 64 groups; more are uploaded, which is not CUDA-graph capturable). Unlike the
+reference, ``adamw_step``/``sgd_step`` read ``found_inf`` on the device: when it is nonzero the
+kernel writes nothing.
+
+Shapes: every flat tensor (grad, main_grad, master, moments, param_out) is 1-D, contiguous, on the
+same CUDA device, with at least ``table.numel`` elements; the table's coordinates index them directly.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch  # must precede the extension import (it loads libc10 / libtorch)
+
+from .. import _C  # noqa: E402  (raises ImportError when the extension was not built)
+from .segments import SegmentTable
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _where(op: str, name: str) -> str:
+    return f"{op}: {name}"
+
+
+def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtypes, table: SegmentTable) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{_where(op, name)} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{_where(op, name)} is on {t.device}, expected {device}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{_where(op, name)} has dtype {t.dtype}, expected one of: {names}")
+    if t.dim() != 1:
+        raise ValueError(f"{_where(op, name)} must be a flat 1-D shard, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{_where(op, name)} must be contiguous")
+    if t.numel() < table.numel:
+        raise ValueError(f"{_where(op, name)} has {t.numel()} elements but the segment table covers {table.numel}")
+
+
+def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{_where(op, name)} must be a one-element {dtype} tensor on {device}, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{_where(op, name)} is on {t.device}, expected {device} (keep per-step scalars on the device)")
+    if t.dtype != dtype:
+        raise TypeError(f"{_where(op, name)} has dtype {t.dtype}, expected {dtype}")
+    if t.numel() != 1:
+        raise ValueError(f"{_where(op, name)} must have exactly one element, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{_where(op, name)} must be contiguous")
+
+
+def _cuda_device(op: str, grad: torch.Tensor) -> torch.device:
+    if not isinstance(grad, torch.Tensor):
+        raise TypeError(f"{op}: grad must be a torch.Tensor, got {type(grad).__name__}")
+    if not grad.is_cuda:
+        raise ValueError(f"{op}: the CUDA implementation needs CUDA tensors, grad is on {grad.device}")
+    return grad.device
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _check_no_overlap(op: str, named: dict[str, Optional[torch.Tensor]], allow_same: Sequence[tuple[str, str]] = ()) -> None:
+    """Output buffers must not partially overlap each other or the inputs (exact aliases listed in
+    ``allow_same`` are fine: every element is read and written by the same thread)."""
+    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
+    for i in range(len(items)):
+        for j in range(i + 1, len(items)):
+            (na, a), (nb, b) = items[i], items[j]
+            a0, a1 = _byte_range(a)
+            b0, b1 = _byte_range(b)
+            if a0 < b1 and b0 < a1:
+                exact = a0 == b0 and a1 == b1 and a.dtype == b.dtype
+                if exact and ((na, nb) in allow_same or (nb, na) in allow_same):
+                    continue
+                raise ValueError(f"{op}: {na} and {nb} overlap in memory")
+
+
+def _group_lists(op: str, table: SegmentTable, lr: Sequence[float], weight_decay: Sequence[float]):
+    lr_l = [float(x) for x in lr]
+    wd_l = [float(x) for x in weight_decay]
+    if len(lr_l) != len(wd_l):
+        raise ValueError(f"{op}: lr has {len(lr_l)} entries but weight_decay has {len(wd_l)}")
+    if table.group:
+        lo, hi = min(table.group), max(table.group)
+        if lo < 0 or hi >= len(lr_l):
+            raise ValueError(f"{op}: segment group ids span [{lo}, {hi}] but lr/weight_decay have {len(lr_l)} entries")
+    return lr_l, wd_l
+
+
+# ------------------------------------------------------------------------------------------------
+# Pass 1
+# ------------------------------------------------------------------------------------------------
+def grad_stats(
+    grad: torch.Tensor,
+    table: SegmentTable,
+    inv_scale: torch.Tensor,
+    stats: torch.Tensor,
+    count_zeros: bool = True,
+) -> None:
+    op = "grad_stats"
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_scalar(op, "inv_scale", inv_scale, device, torch.float32)
+    if not isinstance(stats, torch.Tensor) or stats.device != device or stats.dtype != torch.float64:
+        raise TypeError(f"{op}: stats must be a float64 tensor of 3 elements on {device}")
+    if stats.numel() != 3 or not stats.is_contiguous():
+        raise ValueError(f"{op}: stats must be a contiguous float64 tensor with 3 elements, got shape {tuple(stats.shape)}")
+    span = table.span()
+    if span is None:
+        return
+    d = table.device_tensors(device)
+    _C.grad_stats(grad, d["bounds"], d["in_norm"], span[0], span[1], inv_scale, stats, bool(count_zeros))
+
+
+def copy_grads_to_main(
+    grad: torch.Tensor,
+    main_grad: torch.Tensor,
+    table: SegmentTable,
+    inv_scale: torch.Tensor,
+    found_inf: torch.Tensor,
+) -> None:
+    op = "copy_grads_to_main"
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_flat(op, "main_grad", main_grad, device, (torch.float32,), table)
+    _check_scalar(op, "inv_scale", inv_scale, device, torch.float32)
+    _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+    _check_no_overlap(
+        op, {"grad": grad, "main_grad": main_grad, "inv_scale": inv_scale, "found_inf": found_inf},
+        allow_same=[("grad", "main_grad")],
+    )
+    span = table.span()
+    if span is None:
+        return
+    _C.copy_grads_to_main(grad, main_grad, span[0], span[1], inv_scale, found_inf)
+
+
+def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
+    op = "advance_step"
+    if not isinstance(step, torch.Tensor) or not step.is_cuda:
+        raise ValueError(f"{op}: step must be a CUDA tensor")
+    _check_scalar(op, "step", step, step.device, torch.int64)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, step.device, torch.float32)
+    _C.advance_step(step, found_inf)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pass 2
+# ------------------------------------------------------------------------------------------------
+def adamw_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: Optional[torch.Tensor],
+    table: SegmentTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    step: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    op = "adamw_step"
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_flat(op, "master", master, device, (torch.float32,), table)
+    _check_flat(op, "exp_avg", exp_avg, device, (torch.float32,), table)
+    _check_flat(op, "exp_avg_sq", exp_avg_sq, device, (torch.float32,), table)
+    if param_out is not None:
+        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
+    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
+    _check_scalar(op, "step", step, device, torch.int64)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+    _check_no_overlap(
+        op,
+        {"grad": grad, "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out},
+        allow_same=[("master", "param_out")],
+    )
+    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
+    span = table.span()
+    if span is None:
+        return
+    d = table.device_tensors(device)
+    _C.adamw_step(
+        grad, master, exp_avg, exp_avg_sq, param_out, d["bounds"], d["group"], span[0], span[1],
+        lr_l, wd_l, grad_scale, step, float(beta1), float(beta2), float(eps), found_inf,
+    )
+
+
+def sgd_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    momentum_buffer: Optional[torch.Tensor],
+    param_out: Optional[torch.Tensor],
+    table: SegmentTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    momentum: float,
+    nesterov: bool = False,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    op = "sgd_step"
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_flat(op, "master", master, device, (torch.float32,), table)
+    if momentum != 0 and momentum_buffer is None:
+        raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
+    if momentum_buffer is not None:
+        _check_flat(op, "momentum_buffer", momentum_buffer, device, (torch.float32,), table)
+    if param_out is not None:
+        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
+    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+    _check_no_overlap(
+        op,
+        {"grad": grad, "master": master, "momentum_buffer": momentum_buffer if momentum != 0 else None,
+         "param_out": param_out},
+        allow_same=[("master", "param_out")],
+    )
+    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
+    span = table.span()
+    if span is None:
+        return
+    d = table.device_tensors(device)
+    _C.sgd_step(
+        grad, master, momentum_buffer, param_out, d["bounds"], d["group"], span[0], span[1],
+        lr_l, wd_l, grad_scale, float(momentum), bool(nesterov), found_inf,
+    )
+
+
+__all__ = ["grad_stats", "copy_grads_to_main", "advance_step", "adamw_step", "sgd_step"]
