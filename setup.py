@@ -50,9 +50,9 @@ if _want_cuda_build():
             sources,
             include_dirs=[os.path.abspath("csrc")] + _nvidia_wheel_include_dirs(),
             extra_compile_args={
-                "cxx": ["-O3", "-std=c++17"],
+                "cxx": ["-O3", "-std=c++20"],
                 # No --use_fast_math: results must track the float64 oracle.
-                "nvcc": ["-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr"],
+                "nvcc": ["-O3", "-std=c++20", "-lineinfo", "--expt-relaxed-constexpr"],
             },
         )
     ]
