@@ -2,7 +2,9 @@
 
 CUDA tensors go to the compiled extension (megatron_opt._C, wrapped by ``ops.cuda``) when it was
 built; everything else, and CUDA without the extension, goes to ``ops.reference``. Both sides have
-the same signatures and semantics. Set MEGATRON_OPT_DISABLE_CUDA_EXT=1 to force the reference.
+the same signatures and semantics. CPU tensors go to ``ops.cpu`` (torch's fused CPU kernels, checked
+against the reference in tests). MEGATRON_OPT_DISABLE_CUDA_EXT=1 turns the extension off;
+MEGATRON_OPT_OPS=reference sends everything to the reference.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import reference
+from . import cpu, reference
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 from .segments import SegmentTable, full_table
 
@@ -28,8 +30,15 @@ if os.environ.get("MEGATRON_OPT_DISABLE_CUDA_EXT") != "1":
 HAS_CUDA_EXT = _cuda_impl is not None
 
 
+_FORCE_REFERENCE = os.environ.get("MEGATRON_OPT_OPS") == "reference"
+
+
 def _impl(t: torch.Tensor) -> ModuleType:
-    return _cuda_impl if (_cuda_impl is not None and t.is_cuda) else reference  # type: ignore[return-value]
+    if _FORCE_REFERENCE:
+        return reference
+    if t.is_cuda:
+        return _cuda_impl if _cuda_impl is not None else reference  # type: ignore[return-value]
+    return cpu if t.device.type == "cpu" else reference
 
 
 def grad_stats(grad, table, inv_scale, stats, count_zeros=True) -> None:
@@ -53,8 +62,9 @@ def sgd_step(grad, master, momentum_buffer, param_out, table, **kw) -> None:
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """'cuda-ext' or 'reference': which implementation a tensor's ops run on."""
-    return "cuda-ext" if _impl(t) is _cuda_impl and _cuda_impl is not None else "reference"
+    """'cuda-ext', 'cpu' or 'reference': which implementation a tensor's ops run on."""
+    impl = _impl(t)
+    return "cuda-ext" if impl is _cuda_impl and impl is not None else "cpu" if impl is cpu else "reference"
 
 
 __all__ = [

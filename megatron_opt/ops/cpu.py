@@ -1,0 +1,79 @@
+"""Fast CPU versions of the step passes: the semantics of ops.reference, on torch's fused CPU kernels.
+
+On CPU a host read costs nothing (there is no device queue to drain), so pass 1 derives the
+non-finite check from the float64 sum of squares (finite exactly when every element is finite: a
+square of any fp32/bf16/fp16 value fits in float64 many times over) and counts exactly only when
+that sum is not finite. Pass 2 runs torch._fused_adamw_ (one fused loop per param group) on a scaled
+copy of the gradient, instead of the reference's sequence of separate ops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from . import reference
+from .reference import _skipped, _sum_of_squares
+from .segments import SegmentTable
+
+copy_grads_to_main = reference.copy_grads_to_main
+advance_step = reference.advance_step
+sgd_step = reference.sgd_step
+
+
+def grad_stats(grad: torch.Tensor, table: SegmentTable, inv_scale: torch.Tensor, stats: torch.Tensor,
+               count_zeros: bool = True) -> None:
+    span = table.span()
+    if span is None:
+        return
+    in_norm = _sum_of_squares(grad, table.norm_runs())
+    excluded = _sum_of_squares(grad, [(s, e) for s, e, k in table.runs(table.in_norm) if not k])
+    if math.isfinite(float(in_norm + excluded)):
+        nonfinite = 0
+    else:  # rare: count exactly, over the segments only
+        nonfinite = int(sum(torch.isfinite(grad[s:e]).logical_not_().sum() for s, e in zip(table.starts, table.ends)))
+    zeros = 0
+    if count_zeros:
+        flat = grad[span[0] : span[1]]
+        zeros = flat.numel() - int(torch.count_nonzero(flat)) - table.padding_in_span()
+    sumsq = in_norm * inv_scale.double().square().reshape(())
+    stats.add_(torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), sumsq,
+                            torch.tensor(float(zeros), dtype=torch.float64)]))
+
+
+def adamw_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param_out: Optional[torch.Tensor],
+    table: SegmentTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    step: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    span = table.span()
+    if span is None or _skipped(found_inf):
+        return
+    a, b = span
+    g = grad[a:b].float() * grad_scale  # a new tensor: the grad buffer is never written
+    step_f = step.to(torch.float32).reshape(())
+    by_group: dict[int, list] = {}
+    for s, e, gid in table.group_runs():
+        by_group.setdefault(gid, []).append((s - a, e - a))
+    for gid, runs in by_group.items():
+        torch._fused_adamw_(
+            [master[a + s : a + e] for s, e in runs], [g[s:e] for s, e in runs],
+            [exp_avg[a + s : a + e] for s, e in runs], [exp_avg_sq[a + s : a + e] for s, e in runs], [],
+            [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
+            weight_decay=float(weight_decay[gid]), eps=eps, amsgrad=False, maximize=False,
+        )
+    if param_out is not None:
+        param_out[a:b].copy_(master[a:b])

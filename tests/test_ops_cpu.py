@@ -1,0 +1,94 @@
+"""ops.cpu (torch fused CPU kernels, host-side checks) must match ops.reference, the spec."""
+import pytest
+import torch
+
+from megatron_opt.ops import cpu, reference
+from megatron_opt.ops.segments import SegmentTable
+
+torch.set_num_threads(1)
+
+
+def _table(numel: int, seed: int) -> SegmentTable:
+    """Segments with gaps, two param groups and one segment left out of the norm."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(set(torch.randint(1, numel, (8,), generator=g).tolist()))
+    bounds = [0] + cuts + [numel]
+    segs = [(bounds[i] + (i % 2), bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i] + (i % 2) < bounds[i + 1]]
+    return SegmentTable(tuple(s for s, _ in segs), tuple(e for _, e in segs), tuple(i != 1 for i in range(len(segs))),
+                        tuple(i % 2 for i in range(len(segs))), numel)
+
+
+def _grad(numel, dtype, table, seed, poison=None):
+    g = torch.zeros(numel, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for s, e in zip(table.starts, table.ends):
+        g[s:e] = (torch.randn(e - s, generator=gen) * 3).to(dtype)
+        g[s] = 0.0  # some exact zeros
+    if poison is not None:
+        g[table.starts[-1]] = poison
+    return g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan")])
+def test_grad_stats_matches_reference(dtype, poison):
+    table = _table(5000, 1)
+    grad = _grad(5000, dtype, table, 2, poison)
+    inv = torch.tensor([0.25])
+    ours, ref = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    cpu.grad_stats(grad, table, inv, ours)
+    reference.grad_stats(grad, table, inv, ref)
+    assert ours[0] == ref[0] and ours[2] == ref[2]
+    if poison is None:
+        assert ours[0] == 0 and ours[1].item() == pytest.approx(ref[1].item(), rel=1e-12)
+    else:
+        assert ours[0] == 1
+
+
+def test_excluded_segment_inf_is_still_found():
+    table = _table(3000, 3)
+    grad = _grad(3000, torch.float32, table, 4)
+    grad[table.starts[1]] = float("inf")  # segment 1 is not counted in the norm
+    stats = torch.zeros(3, dtype=torch.float64)
+    cpu.grad_stats(grad, table, torch.tensor([1.0]), stats)
+    assert stats[0] == 1 and torch.isfinite(stats[1])
+
+
+@pytest.mark.parametrize("param_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_matches_reference(param_dtype, grad_dtype):
+    numel = 4096
+    table = _table(numel, 5)
+    gen = torch.Generator().manual_seed(6)
+    states = []
+    for impl in (cpu, reference):
+        master = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+        m, v = torch.zeros(numel), torch.zeros(numel)
+        out = master.to(param_dtype) if param_dtype else None
+        step = torch.zeros(1, dtype=torch.int64)
+        for t in range(3):
+            grad = _grad(numel, grad_dtype, table, 10 + t)
+            step.add_(1)
+            impl.adamw_step(grad, master, m, v, out, table, lr=[1e-2, 3e-3], weight_decay=[0.1, 0.0],
+                            grad_scale=torch.tensor([0.5]), step=step, beta1=0.9, beta2=0.95, eps=1e-8)
+        states.append((master, m, v, out))
+    (w1, m1, v1, o1), (w2, m2, v2, o2) = states
+    torch.testing.assert_close(m1, m2, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(v1, v2, rtol=1e-6, atol=1e-12)
+    torch.testing.assert_close(w1, w2, rtol=1e-6, atol=1e-7)
+    gaps = torch.ones(numel, dtype=torch.bool)
+    for s, e in zip(table.starts, table.ends):
+        gaps[s:e] = False
+    assert torch.equal(w1[gaps], torch.randn(numel, generator=torch.Generator().manual_seed(7))[gaps]), "padding written"
+    if param_dtype is not None:
+        assert torch.equal(o1[~gaps], w1[~gaps].to(param_dtype))
+
+
+def test_adamw_found_inf_writes_nothing():
+    table = _table(1000, 8)
+    master, m, v = torch.randn(1000), torch.rand(1000), torch.rand(1000)
+    before = [t.clone() for t in (master, m, v)]
+    cpu.adamw_step(_grad(1000, torch.float32, table, 9), master, m, v, None, table, lr=[1e-2, 1e-2],
+                   weight_decay=[0.1, 0.1], grad_scale=torch.tensor([1.0]), step=torch.ones(1, dtype=torch.int64),
+                   beta1=0.9, beta2=0.999, eps=1e-8, found_inf=torch.ones(1))
+    assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
