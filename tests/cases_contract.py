@@ -51,8 +51,7 @@ def _optimizer_state(opt) -> list[torch.Tensor]:
 def rule01_prepare_once() -> dict:
     """W=2, fp32 grad buffer (the aliasing case of seed 000), constant loss scale 1024, GA=2,
     tokens rank0 [4,6], rank1 [5,3]."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    counts = [[4, 6], [5, 3]][rank]
+    rank = dist.get_rank()
     all_batches = [_tokens_batch(c, seed=10 + r) for r, c in enumerate([[4, 6], [5, 3]])]
     n_global = 18
 
@@ -105,10 +104,7 @@ def rule01_prepare_once() -> dict:
         return dict(calls=calls, shards=shards, norm=norm, ref_norm=ref_norm, grads_unchanged=unchanged,
                     raised=raised, params=flat_params(model))
 
-    plain = run(split_api=False)
-    split = run(split_api=True)
-    assert counts  # (used for the batch layout above)
-    return {"plain": plain, "split": split}
+    return {"plain": run(split_api=False), "split": run(split_api=True)}
 
 
 # --------------------------------------------------------------------------- rule 2

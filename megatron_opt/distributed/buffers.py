@@ -42,6 +42,10 @@ class Bucket:
         self._pending = {id(p) for p in self.params}
         self.grad_handle = None
 
+    @property
+    def all_ready(self) -> bool:
+        return not self._pending
+
     def mark_ready(self, param: torch.nn.Parameter) -> bool:
         """Record that ``param``'s last gradient of the step is in; True when the bucket is complete."""
         self._pending.discard(id(param))

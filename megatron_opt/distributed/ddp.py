@@ -155,7 +155,7 @@ class DistributedDataParallel(torch.nn.Module):
         # even when a param's grad is missing on some ranks (it then waits for finish_grad_sync).
         while self._launch_cursor < len(self._buckets):
             bucket = self._buckets[self._launch_cursor]
-            if bucket._pending:
+            if not bucket.all_ready:
                 return
             self._launch(bucket, async_op=True)
 
@@ -163,7 +163,7 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.check_for_nan_in_grad:
             self._nonfinite += torch.isfinite(bucket.grad_data).logical_not_().sum()
         bucket.start_grad_sync(async_op)
-        self._launch_cursor = max(self._launch_cursor, self._buckets.index(bucket) + 1)
+        self._launch_cursor += 1  # buckets are launched strictly in order
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

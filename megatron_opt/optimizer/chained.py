@@ -70,7 +70,7 @@ class ChainedOptimizer(StepMachine):
         if saved is None or len(saved) != len(self.chained_optimizers):
             raise ValueError(f"ChainedOptimizer.load_state_dict: expected {len(self.chained_optimizers)} child "
                              f"state dicts under 'chained'. Load a checkpoint saved by the same model setup.")
-        for c in self.chained_optimizers:  # check all before changing any
-            c._check_loadable(saved[self.chained_optimizers.index(c)])
+        for c, sd in zip(self.chained_optimizers, saved):  # check all before changing any
+            c._check_loadable(sd)
         for c, sd in zip(self.chained_optimizers, saved):
             c.load_state_dict(sd)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from . import stats as grad_stats
-from .grad_scaler import MegatronGradScaler
+from .grad_scaler import DynamicGradScaler, MegatronGradScaler
 
 logger = logging.getLogger("megatron_opt")
 
@@ -161,7 +161,7 @@ class StepMachine:
         return success, grad_norm, num_zeros
 
     def _dynamic_scaling(self) -> bool:
-        return self.grad_scaler is not None and hasattr(self.grad_scaler, "growth_interval")
+        return isinstance(self.grad_scaler, DynamicGradScaler)
 
     def _skip(self, reason: SkipReason, detail: str = "") -> None:
         self._state = StepState.SKIPPED
