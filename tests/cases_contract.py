@@ -418,3 +418,61 @@ def rule09_every_microbatch() -> dict:
     assert_identical_across_ranks(flat_params(model))
     expected = sum(float(1 + 3 * r + i) * (1.0 if i < 2 else 10.0) for r in range(world) for i in range(3)) / (3 * world)
     return dict(update=(1.0 - model.w.detach().double()), expected=expected, success=res.success)
+
+
+def fp16_trajectory_then_one_rank_overflow() -> dict:
+    """fp16 probe with AdamW through train_step: 2^16, growth_interval 4, hysteresis 1; after 8 clean
+    steps the scale is 2^18; then an inf planted after the reduction in rank 1's own shard only makes
+    every rank skip, halves the scale once, and leaves Adam state and the scheduler unchanged."""
+    rank = dist.get_rank()
+    model = Probe(torch.float16, numel=300)  # shards cut through w at DP 2
+    ddp, opt = build(model, lr=1e-3, fp16=True, initial_loss_scale=2.0**16, loss_scale_window=4, hysteresis=1,
+                     weight_decay=0.0)
+    sched = mo.OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-3, lr_warmup_steps=0,
+                                       lr_decay_steps=1000, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                       wd_incr_steps=1000, wd_incr_style="constant")
+    real_finish = ddp.finish_grad_sync
+    poison = {"on": False}
+
+    def finish_and_poison():
+        real_finish()
+        if poison["on"] and rank == 1:
+            shard = opt._shards[0]
+            shard.bucket.grad_shard[shard.table.starts[0]] = float("inf")
+
+    ddp.finish_grad_sync = finish_and_poison
+    batch = [(torch.tensor(1e-3 * (rank + 1)), 2)]
+    loss_fn = lambda m, b: (m(b[0]) * b[1], b[1])  # noqa: E731
+    for _ in range(8):
+        assert mo.train_step(ddp, opt, sched, batch, loss_fn, samples_per_step=2).success
+    after_clean = float(opt.get_loss_scale())
+    owns = bool(opt._shards) and len(opt._shards[0].pieces) > 0
+    before = (flat_params(model), _optimizer_state(opt), sched.num_steps)
+    poison["on"] = True
+    res = mo.train_step(ddp, opt, sched, batch, loss_fn, samples_per_step=2)
+    after = (flat_params(model), _optimizer_state(opt), sched.num_steps)
+    return dict(after_clean=after_clean, owns=owns, success=res.success, scale=float(opt.get_loss_scale()),
+                params_unchanged=torch.equal(before[0], after[0]),
+                state_unchanged=all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
+                sched_unchanged=before[2] == after[2], reason=res.skip_reason)
+
+
+def norm_threshold_skip() -> dict:
+    """grad_norm_skip_threshold: a step whose norm exceeds it is skipped like an overflow (nothing
+    changes, logged with its reason), and it still counts as a clean step for the loss scaler."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp, opt = build(model, grad_norm_skip_threshold=1e-3, loss_scale=None)
+    scaler = mo.DynamicGradScaler(2.0**8, 1.0, 2.0, 0.5, 2, 1)
+    opt.grad_scaler = scaler
+    capture = _LogCapture()
+    logging.getLogger("megatron_opt").addHandler(capture)
+    try:
+        before = (flat_params(model), _optimizer_state(opt))
+        res = mo.train_step(ddp, opt, None, [global_batch(2, seed=2)[rank]], _lm_loss)
+        after = (flat_params(model), _optimizer_state(opt))
+    finally:
+        logging.getLogger("megatron_opt").removeHandler(capture)
+    return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason, tracker=scaler._growth_tracker,
+                unchanged=torch.equal(before[0], after[0]) and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
+                log=capture.messages)

@@ -149,3 +149,23 @@ def test_contract_09_every_microbatch_reduced(pools, world):
     for res in pools(world).run(cc.rule09_every_microbatch):
         assert res["success"]
         assert torch.allclose(res["update"], torch.full_like(res["update"], res["expected"]), rtol=1e-6, atol=0)
+
+
+def test_contract_02_fp16_trajectory_then_one_rank_overflow(pools):
+    """Issue 3's fp16 trajectory: exact growth cadence, then a one-rank overflow is a global skip with
+    exactly one backoff, and neither Adam state nor the LR schedule moves."""
+    results = pools(2).run(cc.fp16_trajectory_then_one_rank_overflow)
+    assert any(r["owns"] for r in results)
+    for res in results:
+        assert res["after_clean"] == 2.0**18
+        assert res["success"] is False and res["reason"] == "overflow"
+        assert res["scale"] == 2.0**17
+        assert res["params_unchanged"] and res["state_unchanged"] and res["sched_unchanged"]
+
+
+def test_contract_04_norm_over_threshold_is_a_skip(pools):
+    for res in pools(2).run(cc.norm_threshold_skip):
+        assert (res["success"], res["norm"], res["reason"]) == (False, None, "norm over threshold")
+        assert res["unchanged"]
+        assert res["tracker"] == 1, "a norm-threshold skip counts as a clean step for the scaler (Megatron)"
+        assert any("norm over threshold" in m for m in res["log"])
