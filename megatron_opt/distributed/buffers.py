@@ -46,10 +46,9 @@ class Bucket:
     def all_ready(self) -> bool:
         return not self._pending
 
-    def mark_ready(self, param: torch.nn.Parameter) -> bool:
-        """Record that ``param``'s last gradient of the step is in; True when the bucket is complete."""
+    def mark_ready(self, param: torch.nn.Parameter) -> None:
+        """Record that ``param``'s last gradient of the step is in (see ``all_ready``)."""
         self._pending.discard(id(param))
-        return not self._pending
 
     def start_grad_sync(self, async_op: bool) -> None:
         if self.launched:

@@ -81,8 +81,12 @@ def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
         try:
             work = _reduce_scatter_op()(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
             return work if async_op else _Done()
-        except (RuntimeError, NotImplementedError, AttributeError):
-            _reduce_scatter_supported = False  # old gloo: emulate below
+        except (RuntimeError, NotImplementedError, AttributeError) as exc:
+            # Only "this backend cannot do it" (old gloo) may switch to the emulation; any other
+            # failure (timeout, dead peer) must surface, or this rank would issue a different collective.
+            if not isinstance(exc, (NotImplementedError, AttributeError)) and "support" not in str(exc).lower():
+                raise
+            _reduce_scatter_supported = False
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     handle = _FallbackReduceScatter(work if async_op else None, full, shard, rank(group) * shard.numel())
     if not async_op:

@@ -99,8 +99,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _register_forward_pre_hooks(self) -> None:
         for module in self.module.modules():
-            buckets = {id(b): b for p in module.parameters(recurse=False) if id(p) in self._buffer_of
-                       for b in [self._buffer_of[id(p)].bucket_of(p)]}
+            buckets: dict[int, Bucket] = {}
+            for p in module.parameters(recurse=False):
+                if id(p) in self._buffer_of:
+                    bucket = self._buffer_of[id(p)].bucket_of(p)
+                    buckets[id(bucket)] = bucket
             if buckets:
                 module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values())))
 
@@ -191,10 +194,6 @@ class DistributedDataParallel(torch.nn.Module):
                     f"check_for_nan_in_grad: {int(flag.item())} non-finite gradient elements found before "
                     f"the data-parallel reduction. Inspect the loss and the inputs of this step."
                 )
-
-    @property
-    def grad_sync_done(self) -> bool:
-        return all(b.launched for b in self._buckets)
 
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero every grad buffer, reset bucket state and the scale factor."""
