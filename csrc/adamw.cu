@@ -1,10 +1,10 @@
-// Pass 2: the optimizer update over the segments of one flat shard.
+// Pass 2: the optimizer update over the pieces of one flat shard.
 //
 //   adamw: torch.optim.AdamW's formula on the fp32 master (decoupled weight decay), fp32 moments,
 //          optional write of the rounded master into param_out (model dtype).
 //   sgd:   torch.optim.SGD's formula (L2 weight decay, dampening 0, optional Nesterov).
 //
-// Only segment elements are touched; padding gaps between segments are never written.
+// Only piece elements are touched; padding gaps between pieces are never written.
 // Per-step scalars (grad_scale, step, found_inf) are read from device memory. If found_inf is given
 // and nonzero (NaN counts as nonzero), every block returns before touching memory, so all state is
 // left bitwise unchanged. lr and weight decay are per param group: up to kMaxInlineGroups groups
@@ -101,7 +101,7 @@ template <typename GT, typename PT, int VEC>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(const typename GT::S* grad, float* master, float* exp_avg, float* exp_avg_sq,
                  typename PT::S* param_out, const int64_t* __restrict__ bounds, const int32_t* __restrict__ group,
-                 int64_t nseg, const __grid_constant__ GroupSource groups, const float* __restrict__ grad_scale_ptr,
+                 int64_t npiece, const __grid_constant__ GroupSource groups, const float* __restrict__ grad_scale_ptr,
                  const int64_t* __restrict__ step_ptr, const float* __restrict__ found_inf_ptr, const AdamConsts c,
                  int64_t span_start, int64_t span_end, int64_t aligned_base, int64_t chunk, int phase, bool vec_ok) {
   using GS = typename GT::S;
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
   k.grad_scale = *grad_scale_ptr;
   k.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(c.beta2, t)));
 
-  for (int64_t s = first_segment_ending_after(bounds, nseg, r.lo); s < nseg; ++s) {
+  for (int64_t s = first_piece_ending_after(bounds, npiece, r.lo); s < npiece; ++s) {
     const int64_t seg_start = bounds[2 * s];
     if (seg_start >= r.hi) break;
     const int64_t a = max(seg_start, r.lo);
@@ -200,7 +200,7 @@ __device__ __forceinline__ void sgd_one(const typename GT::S* grad, float* maste
 template <typename GT, typename PT, int VEC>
 __global__ void __launch_bounds__(kThreads)
     sgd_kernel(const typename GT::S* grad, float* master, float* momentum_buffer, typename PT::S* param_out,
-               const int64_t* __restrict__ bounds, const int32_t* __restrict__ group, int64_t nseg,
+               const int64_t* __restrict__ bounds, const int32_t* __restrict__ group, int64_t npiece,
                const __grid_constant__ GroupSource groups, const float* __restrict__ grad_scale_ptr,
                const float* __restrict__ found_inf_ptr, float momentum, bool nesterov, int64_t span_start,
                int64_t span_end, int64_t aligned_base, int64_t chunk, int phase, bool vec_ok) {
@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kThreads)
   k.use_buf = momentum_buffer != nullptr;  // the launcher passes a buffer only when momentum != 0
   k.nesterov = nesterov;
 
-  for (int64_t s = first_segment_ending_after(bounds, nseg, r.lo); s < nseg; ++s) {
+  for (int64_t s = first_piece_ending_after(bounds, npiece, r.lo); s < npiece; ++s) {
     const int64_t seg_start = bounds[2 * s];
     if (seg_start >= r.hi) break;
     const int64_t a = max(seg_start, r.lo);

@@ -5,11 +5,11 @@
 //     kernels never depend on the (operator-less) __half / __nv_bfloat16 classes.
 //   * All element indices are int64_t.
 //   * A launch works on one flat shard [span_start, span_end).  The span is cut into one contiguous
-//     range per block (grid = a few blocks per SM); inside its range a block walks the segments of
-//     the segment table in order and processes each overlap with a block-stride loop.
+//     range per block (grid = a few blocks per SM); inside its range a block walks the pieces of
+//     the piece table in order and processes each overlap with a block-stride loop.
 //   * "Vector" accesses move VEC consecutive elements of every array at once (16 bytes of the grad).
 //     They are used only when every array of the launch has the same element phase modulo VEC
-//     (see same_phase()); segment heads/tails that are not on a vector boundary are done one
+//     (see same_phase()); piece heads/tails that are not on a vector boundary are done one
 //     element per thread.
 #pragma once
 
@@ -154,9 +154,9 @@ __device__ __forceinline__ BlockRange block_range(int64_t span_start, int64_t sp
   return block_range_of(static_cast<int64_t>(blockIdx.x), span_start, span_end, aligned_base, chunk);
 }
 
-// First segment whose end is > pos (bounds is [nseg, 2] int64 row-major: start, end).
-__host__ __device__ __forceinline__ int64_t first_segment_ending_after(const int64_t* bounds, int64_t nseg, int64_t pos) {
-  int64_t lo = 0, hi = nseg;
+// First piece whose end is > pos (bounds is [npiece, 2] int64 row-major: start, end).
+__host__ __device__ __forceinline__ int64_t first_piece_ending_after(const int64_t* bounds, int64_t npiece, int64_t pos) {
+  int64_t lo = 0, hi = npiece;
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (bounds[2 * mid + 1] <= pos) {
@@ -275,15 +275,15 @@ inline void check_scalar(const at::Tensor& t, const char* name, const at::Device
   TORCH_CHECK(t.numel() == 1, name, " must have exactly one element, got ", t.numel());
 }
 
-inline void check_table(const at::Tensor& bounds, const at::Tensor& per_seg, const char* per_seg_name,
-                        at::ScalarType per_seg_dtype, const at::Device& device) {
+inline void check_table(const at::Tensor& bounds, const at::Tensor& per_piece, const char* per_piece_name,
+                        at::ScalarType per_piece_dtype, const at::Device& device) {
   check_cuda_tensor(bounds, "bounds", device);
   check_dtype(bounds, "bounds", at::kLong);
-  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "bounds must have shape [nseg, 2]");
-  check_cuda_tensor(per_seg, per_seg_name, device);
-  check_dtype(per_seg, per_seg_name, per_seg_dtype);
-  TORCH_CHECK(per_seg.dim() == 1 && per_seg.size(0) == bounds.size(0), per_seg_name,
-              " must have one entry per segment");
+  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "bounds must have shape [npiece, 2]");
+  check_cuda_tensor(per_piece, per_piece_name, device);
+  check_dtype(per_piece, per_piece_name, per_piece_dtype);
+  TORCH_CHECK(per_piece.dim() == 1 && per_piece.size(0) == bounds.size(0), per_piece_name,
+              " must have one entry per piece");
 }
 
 inline bool is_grad_dtype(at::ScalarType t) {

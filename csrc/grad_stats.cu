@@ -1,7 +1,7 @@
 // Pass 1: read the grad shard once and accumulate
-//   stats[0] += number of non-finite grad elements inside the segments
-//   stats[1] += sum over in-norm segments of (float(g) * inv_scale)^2
-//   stats[2] += number of grad elements equal to +0.0 or -0.0 inside the segments (if count_zeros)
+//   stats[0] += number of non-finite grad elements inside the pieces
+//   stats[1] += sum over in-norm pieces of (float(g) * inv_scale)^2
+//   stats[2] += number of grad elements equal to +0.0 or -0.0 inside the pieces (if count_zeros)
 // Nothing else is written.
 //
 // Determinism: every thread visits a fixed set of elements in a fixed order, blocks reduce with a
@@ -32,7 +32,7 @@ __device__ __forceinline__ void stats_one(typename GT::S raw, float inv, bool no
 template <typename GT, int VEC, int UNROLL>
 __global__ void __launch_bounds__(kThreads)
     grad_stats_kernel(const typename GT::S* __restrict__ grad, const int64_t* __restrict__ bounds,
-                      const uint8_t* __restrict__ in_norm, int64_t nseg, const float* __restrict__ inv_scale_ptr,
+                      const uint8_t* __restrict__ in_norm, int64_t npiece, const float* __restrict__ inv_scale_ptr,
                       double* __restrict__ partials, int64_t span_start, int64_t span_end, int64_t aligned_base,
                       int64_t chunk, int phase, bool vec_ok) {
   using S = typename GT::S;
@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads)
 
   const BlockRange r = block_range(span_start, span_end, aligned_base, chunk);
   if (r.lo < r.hi) {
-    for (int64_t s = first_segment_ending_after(bounds, nseg, r.lo); s < nseg; ++s) {
+    for (int64_t s = first_piece_ending_after(bounds, npiece, r.lo); s < npiece; ++s) {
       const int64_t seg_start = bounds[2 * s];
       if (seg_start >= r.hi) break;
       const int64_t a = max(seg_start, r.lo);

@@ -10,8 +10,8 @@
 
 namespace megatron_opt {
 
-// stats[0..2] += {non-finite count, sum over in-norm segments of (grad*inv_scale)^2, zero count}.
-// bounds: int64 [nseg, 2]; in_norm: uint8 [nseg]; [span_start, span_end) = first start, last end.
+// stats[0..2] += {non-finite count, sum over in-norm pieces of (grad*inv_scale)^2, zero count}.
+// bounds: int64 [npiece, 2]; in_norm: uint8 [npiece]; [span_start, span_end) = first start, last end.
 void grad_stats_cuda(const at::Tensor& grad, const at::Tensor& bounds, const at::Tensor& in_norm,
                      int64_t span_start, int64_t span_end, const at::Tensor& inv_scale, const at::Tensor& stats,
                      bool count_zeros);
@@ -23,7 +23,7 @@ void copy_grads_to_main_cuda(const at::Tensor& grad, const at::Tensor& main_grad
 // step += 1 unless found_inf != 0.
 void advance_step_cuda(const at::Tensor& step, const std::optional<at::Tensor>& found_inf);
 
-// One AdamW step (torch.optim.AdamW formula) over the segments; lr/weight_decay per group id.
+// One AdamW step (torch.optim.AdamW formula) over the pieces; lr/weight_decay per group id.
 void adamw_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
                      const at::Tensor& bounds, const at::Tensor& group, int64_t span_start, int64_t span_end,
@@ -31,7 +31,7 @@ void adamw_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at:
                      const at::Tensor& grad_scale, const at::Tensor& step, double beta1, double beta2, double eps,
                      const std::optional<at::Tensor>& found_inf);
 
-// One SGD step (torch.optim.SGD formula, dampening 0) over the segments.
+// One SGD step (torch.optim.SGD formula, dampening 0) over the pieces.
 void sgd_step_cuda(const at::Tensor& grad, const at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
                    const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
                    int64_t span_start, int64_t span_end, const std::vector<double>& lr,

@@ -108,13 +108,13 @@ def copy_bandwidth(n: int, warmup: int, iters: int) -> float:
 
 
 def make_table(n: int, num_tensors: int):
-    from megatron_opt.ops import SegmentTable
+    from megatron_opt.ops import PieceTable
 
     bounds = [round(i * n / num_tensors) for i in range(num_tensors + 1)]
     starts, ends = tuple(bounds[:-1]), tuple(bounds[1:])
     keep = [(s, e) for s, e in zip(starts, ends) if e > s]
     k = len(keep)
-    return SegmentTable(tuple(s for s, _ in keep), tuple(e for _, e in keep), (True,) * k,
+    return PieceTable(tuple(s for s, _ in keep), tuple(e for _, e in keep), (True,) * k,
                         tuple(i % 2 for i in range(k)), n)
 
 

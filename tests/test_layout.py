@@ -1,4 +1,4 @@
-"""Buffer layout range math (megatron_opt.distributed.layout) and the segment table (megatron_opt.ops.segments).
+"""Buffer layout range math (megatron_opt.distributed.layout) and the piece table (megatron_opt.ops.piece_table).
 
 Semantics follow Megatron-LM's ``_compute_per_buffer_param_layout`` / ``_build_model_gbuf_range``
 (reference notes, section 2.1): params in reverse registration order, starts padded to 64 elements,
@@ -24,7 +24,7 @@ from megatron_opt.distributed.layout import (
     bucket_alignment,
     build_buffer_layout,
 )
-from megatron_opt.ops.segments import SegmentTable, full_table
+from megatron_opt.ops.piece_table import PieceTable, full_table
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -337,13 +337,13 @@ def test_range_helpers():
 
 
 # --------------------------------------------------------------------------------------------------
-# SegmentTable
+# PieceTable
 # --------------------------------------------------------------------------------------------------
 
 
 def _table(segs, numel, in_norm=None, group=None):
     n = len(segs)
-    return SegmentTable(
+    return PieceTable(
         tuple(s for s, _ in segs),
         tuple(e for _, e in segs),
         tuple(in_norm) if in_norm is not None else (True,) * n,
@@ -358,34 +358,34 @@ def _table(segs, numel, in_norm=None, group=None):
         ([(10, 20), (0, 5)], 30),  # unsorted
         ([(0, 10), (5, 15)], 30),  # overlapping
         ([(0, 10), (0, 10)], 30),  # duplicate
-        ([(0, 10), (10, 10)], 30),  # empty segment
+        ([(0, 10), (10, 10)], 30),  # empty piece
         ([(5, 3)], 30),  # reversed
         ([(0, 31)], 30),  # past the end
         ([(-1, 5)], 30),  # negative start
     ],
 )
-def test_segment_table_rejects_bad_segments(segs, numel):
+def test_piece_table_rejects_bad_pieces(segs, numel):
     with pytest.raises(ValueError):
         _table(segs, numel)
 
 
-def test_segment_table_rejects_length_mismatch():
+def test_piece_table_rejects_length_mismatch():
     with pytest.raises(ValueError):
-        SegmentTable((0, 10), (5, 15), (True,), (0, 0), 20)
+        PieceTable((0, 10), (5, 15), (True,), (0, 0), 20)
     with pytest.raises(ValueError):
-        SegmentTable((0, 10), (5, 15), (True, True), (0,), 20)
+        PieceTable((0, 10), (5, 15), (True, True), (0,), 20)
     with pytest.raises(ValueError):
-        SegmentTable((0,), (5, 15), (True, True), (0, 0), 20)
+        PieceTable((0,), (5, 15), (True, True), (0, 0), 20)
 
 
-def test_segment_table_accepts_adjacent_and_full():
+def test_piece_table_accepts_adjacent_and_full():
     t = _table([(0, 10), (10, 30)], 30)
-    assert t.num_segments == 2
+    assert t.num_pieces == 2
     assert t.covered == 30
     assert t.padding_in_span() == 0
 
 
-def test_segment_table_runs_example():
+def test_piece_table_runs_example():
     t = _table(
         [(0, 5), (10, 15), (20, 25), (30, 35), (40, 50)],
         60,
@@ -400,19 +400,19 @@ def test_segment_table_runs_example():
     assert t.runs((7, 7, 7, 7, 7)) == [(0, 50, 7)]
 
 
-def test_segment_table_empty_and_full_table():
+def test_piece_table_empty_and_full_table():
     e = full_table(0)
-    assert e.num_segments == 0 and e.span() is None and e.padding_in_span() == 0
+    assert e.num_pieces == 0 and e.span() is None and e.padding_in_span() == 0
     assert e.norm_runs() == [] and e.group_runs() == []
     f = full_table(100)
     assert f.span() == (0, 100) and f.covered == 100 and f.padding_in_span() == 0
     assert f.norm_runs() == [(0, 100)] and f.group_runs() == [(0, 100, 0)]
-    # a table with no segments over a non-empty shard is valid (a rank can own only padding)
-    t = SegmentTable((), (), (), (), 64)
+    # a table with no pieces over a non-empty shard is valid (a rank can own only padding)
+    t = PieceTable((), (), (), (), 64)
     assert t.span() is None and t.padding_in_span() == 0
 
 
-def test_segment_table_device_tensors_cpu():
+def test_piece_table_device_tensors_cpu():
     t = _table([(0, 5), (8, 12)], 16, in_norm=(True, False), group=(1, 2))
     d = t.device_tensors(torch.device("cpu"))
     assert d["bounds"].tolist() == [[0, 5], [8, 12]]
@@ -422,7 +422,7 @@ def test_segment_table_device_tensors_cpu():
 
 
 @st.composite
-def segment_tables(draw):
+def piece_tables(draw):
     n = draw(st.integers(0, 30))
     cursor = draw(st.integers(0, 20))
     starts, ends = [], []
@@ -435,15 +435,15 @@ def segment_tables(draw):
     numel = cursor + draw(st.integers(0, 20))
     in_norm = draw(st.lists(st.booleans(), min_size=n, max_size=n))
     group = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
-    return SegmentTable(tuple(starts), tuple(ends), tuple(in_norm), tuple(group), numel)
+    return PieceTable(tuple(starts), tuple(ends), tuple(in_norm), tuple(group), numel)
 
 
-def _check_runs(t: SegmentTable, key, runs: list[tuple[int, int, object]]) -> None:
+def _check_runs(t: PieceTable, key, runs: list[tuple[int, int, object]]) -> None:
     # runs are sorted, disjoint, and neighbours have different keys (maximal)
     for (s0, e0, k0), (s1, e1, k1) in zip(runs, runs[1:]):
         assert e0 <= s1
         assert k0 != k1
-    # each segment lies in exactly one run, with its key; run bounds are segment bounds
+    # each piece lies in exactly one run, with its key; run bounds are piece bounds
     for s, e, k in zip(t.starts, t.ends, key):
         containing = [r for r in runs if r[0] <= s and e <= r[1]]
         assert len(containing) == 1 and containing[0][2] == k
@@ -453,17 +453,17 @@ def _check_runs(t: SegmentTable, key, runs: list[tuple[int, int, object]]) -> No
 
 
 @SETTINGS
-@given(segment_tables())
-def test_segment_table_runs_properties(t):
+@given(piece_tables())
+def test_piece_table_runs_properties(t):
     _check_runs(t, t.group, t.group_runs())
     _check_runs(t, t.in_norm, t.runs(t.in_norm))
     norm = t.norm_runs()
     assert norm == [(s, e) for s, e, k in t.runs(t.in_norm) if k]
-    # every in-norm element is covered by a norm run; no out-of-norm segment is
+    # every in-norm element is covered by a norm run; no out-of-norm piece is
     for s, e, k in zip(t.starts, t.ends, t.in_norm):
         inside = any(a <= s and e <= b for a, b in norm)
         assert inside == k
-    # padding: span minus covered equals the sum of gaps between consecutive segments
+    # padding: span minus covered equals the sum of gaps between consecutive pieces
     gaps = sum(s - e for e, s in zip(t.ends, t.starts[1:]))
     assert t.padding_in_span() == gaps
     assert t.covered == sum(e - s for s, e in zip(t.starts, t.ends))

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
 from megatron_opt.ops import reference as ref
-from megatron_opt.ops.segments import SegmentTable, full_table
+from megatron_opt.ops.piece_table import PieceTable, full_table
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -50,11 +50,11 @@ def _one_cpu_thread():
 # =================================================================================================
 # Inputs
 # =================================================================================================
-def gapped_table(n: int) -> SegmentTable:
-    """Segments with gaps (including touching segments), a misaligned first start, odd lengths,
-    every third segment out of the norm and three param groups."""
+def gapped_table(n: int) -> PieceTable:
+    """Pieces with gaps (including touching pieces), a misaligned first start, odd lengths,
+    every third piece out of the norm and three param groups."""
     if n == 0:
-        return SegmentTable((), (), (), (), 0)
+        return PieceTable((), (), (), (), 0)
     lens = [5, 1, 17, 3, 250, 64, 9, 1031]
     gaps = [3, 0, 2, 7, 64, 1, 0, 13]
     scale = max(1, n // 4000)
@@ -69,14 +69,14 @@ def gapped_table(n: int) -> SegmentTable:
     nseg = len(starts)
     in_norm = tuple(i % 3 != 2 for i in range(nseg))
     group = tuple((0, 1, 0, 2)[i % 4] for i in range(nseg))
-    return SegmentTable(tuple(starts), tuple(ends), in_norm, group, n)
+    return PieceTable(tuple(starts), tuple(ends), in_norm, group, n)
 
 
-def make_table(n: int, layout: str) -> SegmentTable:
+def make_table(n: int, layout: str) -> PieceTable:
     return full_table(n) if layout == "full" else gapped_table(n)
 
 
-def segment_mask(table: SegmentTable, device="cpu") -> torch.Tensor:
+def piece_mask(table: PieceTable, device="cpu") -> torch.Tensor:
     mask = torch.zeros(table.numel, dtype=torch.bool, device=device)
     for s, e in zip(table.starts, table.ends):
         mask[s:e] = True
@@ -88,11 +88,11 @@ def subnormal(dtype: torch.dtype) -> float:
 
 
 def make_grad(
-    table: SegmentTable, dtype: torch.dtype, seed: int, specials: bool = False, finite_specials: bool = False,
+    table: PieceTable, dtype: torch.dtype, seed: int, specials: bool = False, finite_specials: bool = False,
     scale: float = 3.0, device="cpu",
 ) -> torch.Tensor:
-    """Random grads inside the segments, exact zeros in the gaps; some planted zeros; optionally
-    inf/NaN/-0.0/subnormals at segment heads and tails (finite_specials: only -0.0/0/subnormals)."""
+    """Random grads inside the pieces, exact zeros in the gaps; some planted zeros; optionally
+    inf/NaN/-0.0/subnormals at piece heads and tails (finite_specials: only -0.0/0/subnormals)."""
     gen = torch.Generator().manual_seed(seed)
     n = table.numel
     g = torch.randn(n, generator=gen, dtype=torch.float32) * scale
@@ -108,14 +108,14 @@ def make_grad(
                 g[idx] = vals[k % len(vals)]
                 k += 1
     if n:
-        g = torch.where(segment_mask(table), g, torch.zeros_like(g))  # gaps are exactly zero
+        g = torch.where(piece_mask(table), g, torch.zeros_like(g))  # gaps are exactly zero
     return g.to(dtype).to(device)
 
 
-def make_state(table: SegmentTable, seed: int, device="cpu", gap_value: float = 0.0):
+def make_state(table: PieceTable, seed: int, device="cpu", gap_value: float = 0.0):
     gen = torch.Generator().manual_seed(seed + 1000)
     n = table.numel
-    mask = segment_mask(table)
+    mask = piece_mask(table)
     master = torch.randn(n, generator=gen)
     m = torch.randn(n, generator=gen) * 0.1
     v = torch.rand(n, generator=gen) * 0.01
@@ -128,7 +128,7 @@ def make_state(table: SegmentTable, seed: int, device="cpu", gap_value: float = 
 # =================================================================================================
 # float64 oracle
 # =================================================================================================
-def oracle_stats(grad: torch.Tensor, table: SegmentTable, inv_scale: float, count_zeros: bool = True):
+def oracle_stats(grad: torch.Tensor, table: PieceTable, inv_scale: float, count_zeros: bool = True):
     g = grad.double()
     nonfinite, sumsq, zeros = 0, 0.0, 0
     for s, e, norm in zip(table.starts, table.ends, table.in_norm):
@@ -140,7 +140,7 @@ def oracle_stats(grad: torch.Tensor, table: SegmentTable, inv_scale: float, coun
     return nonfinite, sumsq, (zeros if count_zeros else 0)
 
 
-def oracle_copy(grad: torch.Tensor, table: SegmentTable, inv_scale: float):
+def oracle_copy(grad: torch.Tensor, table: PieceTable, inv_scale: float):
     span = table.span()
     out = torch.zeros(table.numel, dtype=torch.float64, device=grad.device)
     if span is None:
@@ -300,8 +300,8 @@ def test_reference_grad_stats_count_zeros_flag(count_zeros):
     assert (stats[2] > 0) == count_zeros
 
 
-def test_reference_excluded_segments_not_in_norm():
-    table = SegmentTable((0, 10, 30), (8, 20, 33), (True, False, True), (0, 0, 0), 40)
+def test_reference_excluded_pieces_not_in_norm():
+    table = PieceTable((0, 10, 30), (8, 20, 33), (True, False, True), (0, 0, 0), 40)
     grad = torch.zeros(40)
     grad[0:8] = 1.0
     grad[10:20] = 1e6  # excluded: must not reach the norm
@@ -453,7 +453,7 @@ def random_tables(draw):
     k = len(starts)
     in_norm = tuple(draw(st.lists(st.booleans(), min_size=k, max_size=k)))
     group = tuple(draw(st.lists(st.integers(0, 2), min_size=k, max_size=k)))
-    return SegmentTable(tuple(starts), tuple(ends), in_norm, group, n)
+    return PieceTable(tuple(starts), tuple(ends), in_norm, group, n)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -546,9 +546,9 @@ def test_cuda_grad_stats_flags_and_views(count_zeros, offset):
 
 @cuda
 @needs_cuda
-def test_cuda_grad_stats_excluded_segments_not_in_norm():
+def test_cuda_grad_stats_excluded_pieces_not_in_norm():
     impl = _cuda_impl()
-    table = SegmentTable((0, 10, 30), (8, 20, 33), (True, False, True), (0, 0, 0), 40)
+    table = PieceTable((0, 10, 30), (8, 20, 33), (True, False, True), (0, 0, 0), 40)
     grad = torch.zeros(40, device=DEV)
     grad[0:8], grad[10:20], grad[30:33] = 1.0, 1e6, 2.0
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
@@ -654,7 +654,7 @@ def test_cuda_adamw_gaps_untouched(gdtype):
     param_out = torch.full((table.numel,), 7.0, dtype=torch.bfloat16, device=DEV)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 1.0, 1)
     _run_adamw(impl, grad, master, m, v, param_out, table, 1.0, 1)
-    gap = ~segment_mask(table, DEV)
+    gap = ~piece_mask(table, DEV)
     for t, name in [(master, "master"), (m, "exp_avg"), (v, "exp_avg_sq"), (param_out, "param_out")]:
         assert torch.all(t[gap] == 7.0), f"{name} written in a padding gap"
     assert_fp32_close(master, W, "master")
@@ -701,7 +701,7 @@ def test_cuda_adamw_many_groups_uploaded():
     n, ng = 20000, 100
     starts = tuple(range(0, n, n // ng))
     ends = tuple(s + n // ng - 3 for s in starts)
-    table = SegmentTable(starts, ends, (True,) * ng, tuple(range(ng)), n)
+    table = PieceTable(starts, ends, (True,) * ng, tuple(range(ng)), n)
     lr = [1e-3 * (1 + i % 7) for i in range(ng)]
     wd = [0.01 * (i % 3) for i in range(ng)]
     grad = make_grad(table, torch.float32, seed=8, device=DEV)
@@ -780,7 +780,7 @@ def test_cuda_found_inf_skips_everything(found):
 @needs_cuda
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_cuda_large_shard(gdtype):
-    """A few million elements, many blocks per segment, against the oracle; two runs bitwise equal."""
+    """A few million elements, many blocks per piece, against the oracle; two runs bitwise equal."""
     impl = _cuda_impl()
     table = gapped_table(3_000_017)
     grad = make_grad(table, gdtype, seed=21, device=DEV)
@@ -812,7 +812,7 @@ def test_cuda_grad_stats_beyond_int32():
     free, _ = torch.cuda.mem_get_info()
     if free < n * 2 * 2.5:
         pytest.skip("not enough free GPU memory for a 2^31-element bf16 shard")
-    table = SegmentTable((5, 2**31 - 7), (2**31 - 9, n - 3), (True, True), (0, 0), n)
+    table = PieceTable((5, 2**31 - 7), (2**31 - 9, n - 3), (True, True), (0, 0), n)
     grad = torch.ones(n, dtype=torch.bfloat16, device=DEV)
     grad[n - 4] = math.inf
     grad[n - 10] = 0.0

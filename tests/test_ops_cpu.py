@@ -3,18 +3,18 @@ import pytest
 import torch
 
 from megatron_opt.ops import cpu, reference
-from megatron_opt.ops.segments import SegmentTable
+from megatron_opt.ops.piece_table import PieceTable
 
 torch.set_num_threads(1)
 
 
-def _table(numel: int, seed: int) -> SegmentTable:
-    """Segments with gaps, two param groups and one segment left out of the norm."""
+def _table(numel: int, seed: int) -> PieceTable:
+    """Pieces with gaps, two param groups and one piece left out of the norm."""
     g = torch.Generator().manual_seed(seed)
     cuts = sorted(set(torch.randint(1, numel, (8,), generator=g).tolist()))
     bounds = [0] + cuts + [numel]
     segs = [(bounds[i] + (i % 2), bounds[i + 1]) for i in range(len(bounds) - 1) if bounds[i] + (i % 2) < bounds[i + 1]]
-    return SegmentTable(tuple(s for s, _ in segs), tuple(e for _, e in segs), tuple(i != 1 for i in range(len(segs))),
+    return PieceTable(tuple(s for s, _ in segs), tuple(e for _, e in segs), tuple(i != 1 for i in range(len(segs))),
                         tuple(i % 2 for i in range(len(segs))), numel)
 
 
@@ -45,10 +45,10 @@ def test_grad_stats_matches_reference(dtype, poison):
         assert ours[0] == 1
 
 
-def test_excluded_segment_inf_is_still_found():
+def test_excluded_piece_inf_is_still_found():
     table = _table(3000, 3)
     grad = _grad(3000, torch.float32, table, 4)
-    grad[table.starts[1]] = float("inf")  # segment 1 is not counted in the norm
+    grad[table.starts[1]] = float("inf")  # piece 1 is not counted in the norm
     stats = torch.zeros(3, dtype=torch.float64)
     cpu.grad_stats(grad, table, torch.tensor([1.0]), stats)
     assert stats[0] == 1 and torch.isfinite(stats[1])

@@ -1,9 +1,9 @@
 // Host-only check of the work partition used by every kernel in csrc/ (no GPU needed).
 //
 // It runs the real helpers from common.cuh (plan_partition, block_range_of,
-// first_segment_ending_after, split_range) and replays, on the CPU, the same loop skeleton the
-// kernels use (blocks -> segments -> scalar head / vector body with UNROLL / scalar tail, for every
-// thread id), then checks that every segment element is visited exactly once, that no padding or
+// first_piece_ending_after, split_range) and replays, on the CPU, the same loop skeleton the
+// kernels use (blocks -> pieces -> scalar head / vector body with UNROLL / scalar tail, for every
+// thread id), then checks that every piece element is visited exactly once, that no padding or
 // out-of-span element is visited, and that every vector access starts on a vector boundary.
 //
 // Not part of the extension (setup.py only globs csrc/*.cu). Build and run from the repo root
@@ -24,9 +24,9 @@ using namespace megatron_opt;
 namespace {
 
 struct Table {
-  std::vector<int64_t> bounds;  // [nseg, 2]
+  std::vector<int64_t> bounds;  // [npiece, 2]
   int64_t numel = 0;
-  int64_t nseg() const { return static_cast<int64_t>(bounds.size() / 2); }
+  int64_t npiece() const { return static_cast<int64_t>(bounds.size() / 2); }
 };
 
 int g_failures = 0;
@@ -54,11 +54,11 @@ Table random_table(std::mt19937_64& rng, int64_t numel_max) {
     t.bounds = {0, 1};
     t.numel = 1;
   }
-  // merge touching segments is not required: segments may touch (no gap).
+  // merge touching pieces is not required: pieces may touch (no gap).
   return t;
 }
 
-// kind 0: segment walk (grad_stats, adamw, sgd); kind 1: flat span (copy_grads_to_main).
+// kind 0: piece walk (grad_stats, adamw, sgd); kind 1: flat span (copy_grads_to_main).
 template <int VEC, int UNROLL>
 void replay(const Table& t, int kind, int phase, int64_t max_grid, int64_t min_per_block) {
   const int64_t A = t.bounds.front(), B = t.bounds.back();
@@ -108,7 +108,7 @@ void replay(const Table& t, int kind, int phase, int64_t max_grid, int64_t min_p
       piece(r.lo, r.hi);
       continue;
     }
-    for (int64_t s = first_segment_ending_after(t.bounds.data(), t.nseg(), r.lo); s < t.nseg(); ++s) {
+    for (int64_t s = first_piece_ending_after(t.bounds.data(), t.npiece(), r.lo); s < t.npiece(); ++s) {
       const int64_t ss = t.bounds[2 * s];
       if (ss >= r.hi) break;
       piece(std::max(ss, r.lo), std::min(t.bounds[2 * s + 1], r.hi));
@@ -119,14 +119,14 @@ void replay(const Table& t, int kind, int phase, int64_t max_grid, int64_t min_p
   if (kind == 1) {
     for (int64_t i = A; i < B; ++i) want[static_cast<size_t>(i)] = 1;
   } else {
-    for (int64_t s = 0; s < t.nseg(); ++s)
+    for (int64_t s = 0; s < t.npiece(); ++s)
       for (int64_t i = t.bounds[2 * s]; i < t.bounds[2 * s + 1]; ++i) want[static_cast<size_t>(i)] = 1;
   }
   for (int64_t i = 0; i < t.numel; ++i)
     if (hits[static_cast<size_t>(i)] != want[static_cast<size_t>(i)]) fail("element visited wrong number of times", i, hits[static_cast<size_t>(i)]);
 }
 
-// Large (> 2^31) spans: check the block/segment/split level with interval arithmetic only.
+// Large (> 2^31) spans: check the block/piece/split level with interval arithmetic only.
 template <int VEC>
 void replay_large(std::mt19937_64& rng) {
   Table t;
@@ -141,11 +141,11 @@ void replay_large(std::mt19937_64& rng) {
   const int phase = std::uniform_int_distribution<int>(0, VEC - 1)(rng);
   const LaunchPlan p = plan_partition(t.bounds.front(), t.bounds.back(), phase, VEC, 132 * 8, int64_t(kThreads) * VEC * 4);
   int64_t covered = 0, expect = 0, prev_end = -1;
-  for (int64_t s = 0; s < t.nseg(); ++s) expect += t.bounds[2 * s + 1] - t.bounds[2 * s];
+  for (int64_t s = 0; s < t.npiece(); ++s) expect += t.bounds[2 * s + 1] - t.bounds[2 * s];
   for (int64_t b = 0; b < p.grid; ++b) {
     const BlockRange r = block_range_of(b, t.bounds.front(), t.bounds.back(), p.aligned_base, p.chunk);
     if (r.lo >= r.hi) continue;
-    for (int64_t s = first_segment_ending_after(t.bounds.data(), t.nseg(), r.lo); s < t.nseg(); ++s) {
+    for (int64_t s = first_piece_ending_after(t.bounds.data(), t.npiece(), r.lo); s < t.npiece(); ++s) {
       const int64_t ss = t.bounds[2 * s];
       if (ss >= r.hi) break;
       const int64_t a = std::max(ss, r.lo), e = std::min(t.bounds[2 * s + 1], r.hi);

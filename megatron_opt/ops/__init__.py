@@ -16,7 +16,7 @@ import torch
 
 from . import cpu, reference
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
-from .segments import SegmentTable, full_table
+from .piece_table import PieceTable, full_table
 
 _cuda_impl: Optional[ModuleType] = None
 CUDA_EXT_ERROR: Optional[str] = None
@@ -68,7 +68,7 @@ def backend_for(t: torch.Tensor) -> str:
 
 
 __all__ = [
-    "SegmentTable",
+    "PieceTable",
     "full_table",
     "grad_stats",
     "copy_grads_to_main",

@@ -15,14 +15,14 @@ import torch
 
 from . import reference
 from .reference import _skipped, _sum_of_squares
-from .segments import SegmentTable
+from .piece_table import PieceTable
 
 copy_grads_to_main = reference.copy_grads_to_main
 advance_step = reference.advance_step
 sgd_step = reference.sgd_step
 
 
-def grad_stats(grad: torch.Tensor, table: SegmentTable, inv_scale: torch.Tensor, stats: torch.Tensor,
+def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
                count_zeros: bool = True) -> None:
     span = table.span()
     if span is None:
@@ -31,7 +31,7 @@ def grad_stats(grad: torch.Tensor, table: SegmentTable, inv_scale: torch.Tensor,
     excluded = _sum_of_squares(grad, [(s, e) for s, e, k in table.runs(table.in_norm) if not k])
     if math.isfinite(float(in_norm + excluded)):
         nonfinite = 0
-    else:  # rare: count exactly, over the segments only
+    else:  # rare: count exactly, over the pieces only
         nonfinite = int(sum(torch.isfinite(grad[s:e]).logical_not_().sum() for s, e in zip(table.starts, table.ends)))
     zeros = 0
     if count_zeros:
@@ -48,7 +48,7 @@ def adamw_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: Optional[torch.Tensor],
-    table: SegmentTable,
+    table: PieceTable,
     *,
     lr: Sequence[float],
     weight_decay: Sequence[float],

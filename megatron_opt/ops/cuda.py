@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch  # must precede the extension import (it loads libc10 / libtorch)
 
 from .. import _C  # noqa: E402  (raises ImportError when the extension was not built)
-from .segments import SegmentTable
+from .piece_table import PieceTable
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,7 +29,7 @@ def _where(op: str, name: str) -> str:
     return f"{op}: {name}"
 
 
-def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtypes, table: SegmentTable) -> None:
+def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtypes, table: PieceTable) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{_where(op, name)} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
@@ -42,7 +42,7 @@ def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtype
     if not t.is_contiguous():
         raise ValueError(f"{_where(op, name)} must be contiguous")
     if t.numel() < table.numel:
-        raise ValueError(f"{_where(op, name)} has {t.numel()} elements but the segment table covers {table.numel}")
+        raise ValueError(f"{_where(op, name)} has {t.numel()} elements but the piece table covers {table.numel}")
 
 
 def _check_scalar(op: str, name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
@@ -87,7 +87,7 @@ def _check_no_overlap(op: str, named: dict[str, Optional[torch.Tensor]], allow_s
                 raise ValueError(f"{op}: {na} and {nb} overlap in memory")
 
 
-def _group_lists(op: str, table: SegmentTable, lr: Sequence[float], weight_decay: Sequence[float]):
+def _group_lists(op: str, table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float]):
     lr_l = [float(x) for x in lr]
     wd_l = [float(x) for x in weight_decay]
     if len(lr_l) != len(wd_l):
@@ -95,7 +95,7 @@ def _group_lists(op: str, table: SegmentTable, lr: Sequence[float], weight_decay
     if table.group:
         lo, hi = min(table.group), max(table.group)
         if lo < 0 or hi >= len(lr_l):
-            raise ValueError(f"{op}: segment group ids span [{lo}, {hi}] but lr/weight_decay have {len(lr_l)} entries")
+            raise ValueError(f"{op}: piece group ids span [{lo}, {hi}] but lr/weight_decay have {len(lr_l)} entries")
     return lr_l, wd_l
 
 
@@ -104,7 +104,7 @@ def _group_lists(op: str, table: SegmentTable, lr: Sequence[float], weight_decay
 # ------------------------------------------------------------------------------------------------
 def grad_stats(
     grad: torch.Tensor,
-    table: SegmentTable,
+    table: PieceTable,
     inv_scale: torch.Tensor,
     stats: torch.Tensor,
     count_zeros: bool = True,
@@ -127,7 +127,7 @@ def grad_stats(
 def copy_grads_to_main(
     grad: torch.Tensor,
     main_grad: torch.Tensor,
-    table: SegmentTable,
+    table: PieceTable,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> None:
@@ -166,7 +166,7 @@ def adamw_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: Optional[torch.Tensor],
-    table: SegmentTable,
+    table: PieceTable,
     *,
     lr: Sequence[float],
     weight_decay: Sequence[float],
@@ -210,7 +210,7 @@ def sgd_step(
     master: torch.Tensor,
     momentum_buffer: Optional[torch.Tensor],
     param_out: Optional[torch.Tensor],
-    table: SegmentTable,
+    table: PieceTable,
     *,
     lr: Sequence[float],
     weight_decay: Sequence[float],

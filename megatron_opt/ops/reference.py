@@ -1,14 +1,14 @@
 """Torch implementation of the step's two passes: the behavioural spec the CUDA kernels must match.
 
-Every function works on one rank's flat shard of one bucket, described by a SegmentTable, and
+Every function works on one rank's flat shard of one bucket, described by a PieceTable, and
 keeps every per-step scalar on the tensors' device (no host synchronisation), except that
 ``found_inf`` given to a pass-2 op is read on the host here; the optimizer passes ``found_inf=None``
 because it has already made the skip decision after its one sync per step.
 
 Stats layout (float64, accumulated so several shards can share one tensor):
-    stats[0] += number of non-finite grad elements in the segments
-    stats[1] += sum over in-norm segments of (grad * inv_scale) ** 2
-    stats[2] += number of grad elements equal to zero (+0.0 or -0.0) in the segments
+    stats[0] += number of non-finite grad elements in the pieces
+    stats[1] += sum over in-norm pieces of (grad * inv_scale) ** 2
+    stats[2] += number of grad elements equal to zero (+0.0 or -0.0) in the pieces
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .segments import SegmentTable
+from .piece_table import PieceTable
 
 STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS = 0, 1, 2
 NUM_STATS = 3
@@ -24,7 +24,7 @@ NUM_STATS = 3
 
 def grad_stats(
     grad: torch.Tensor,
-    table: SegmentTable,
+    table: PieceTable,
     inv_scale: torch.Tensor,
     stats: torch.Tensor,
     count_zeros: bool = True,
@@ -54,11 +54,11 @@ def _sum_of_squares(grad: torch.Tensor, runs: list) -> torch.Tensor:
 def copy_grads_to_main(
     grad: torch.Tensor,
     main_grad: torch.Tensor,
-    table: SegmentTable,
+    table: PieceTable,
     inv_scale: torch.Tensor,
     found_inf: torch.Tensor,
 ) -> None:
-    """main_grad = float(grad) * inv_scale over the segment span; found_inf |= any non-finite grad."""
+    """main_grad = float(grad) * inv_scale over the piece span; found_inf |= any non-finite grad."""
     span = table.span()
     if span is None:
         return
@@ -87,7 +87,7 @@ def adamw_step(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     param_out: Optional[torch.Tensor],
-    table: SegmentTable,
+    table: PieceTable,
     *,
     lr: Sequence[float],
     weight_decay: Sequence[float],
@@ -131,7 +131,7 @@ def sgd_step(
     master: torch.Tensor,
     momentum_buffer: Optional[torch.Tensor],
     param_out: Optional[torch.Tensor],
-    table: SegmentTable,
+    table: PieceTable,
     *,
     lr: Sequence[float],
     weight_decay: Sequence[float],

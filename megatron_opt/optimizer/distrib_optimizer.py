@@ -5,7 +5,7 @@ range (a "shard") it keeps:
   * master: fp32. A detached fp32 clone for bf16/fp16 params; for fp32 params a detached view of
     the param buffer, so the update lands in the model param with no copy.
   * exp_avg, exp_avg_sq (AdamW) or momentum_buffer (SGD): fp32, owned elements only.
-  * a SegmentTable saying where each param piece lies, whether it counts in the norm, its group.
+  * a PieceTable saying where each param piece lies, whether it counts in the norm, its group.
 Every tensor in ``param_groups`` is a leaf view of a master (CONTRACT rule 6).
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..config import OptimizerConfig
 from ..distributed import collectives
 from ..distributed.buffers import Bucket, ParamAndGradBuffer
 from ..distributed.ddp import DistributedDataParallel
-from ..ops.segments import SegmentTable
+from ..ops.piece_table import PieceTable
 from .grad_scaler import MegatronGradScaler
 from .step_machine import StepMachine
 
@@ -40,7 +40,7 @@ class _Shard:
     chunk: DistributedDataParallel
     buffer: ParamAndGradBuffer
     bucket: Bucket
-    table: SegmentTable
+    table: PieceTable
     master: torch.Tensor
     param_out: Optional[torch.Tensor]  # None when master aliases the fp32 param buffer
     exp_avg: Optional[torch.Tensor]
@@ -138,7 +138,7 @@ class DistributedOptimizer(StepMachine):
                 if not pieces:
                     continue
                 params = [buf.params[pc.param_index] for pc in pieces]
-                table = SegmentTable(
+                table = PieceTable(
                     starts=tuple(pc.shard_range.start for pc in pieces),
                     ends=tuple(pc.shard_range.end for pc in pieces),
                     in_norm=tuple(self._counts_in_norm(p, tp_rank) for p in params),

@@ -1,6 +1,6 @@
-"""The segment table: where the params lie inside one rank's flat shard of one bucket.
+"""The piece table: where the params lie inside one rank's flat shard of one bucket.
 
-Built once when the optimizer is constructed. Gaps between segments are bucket padding; their
+Built once when the optimizer is constructed. Gaps between pieces are bucket padding; their
 gradients are always exactly zero (the buffer is zeroed every step and only param views are
 written), so flat passes over a run that includes gaps stay correct.
 """
@@ -13,26 +13,26 @@ import torch
 
 
 @dataclass(frozen=True)
-class SegmentTable:
+class PieceTable:
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     in_norm: tuple[bool, ...]  # False for shared / tensor-parallel-duplicate params
-    group: tuple[int, ...]  # param-group index of each segment (selects lr and weight decay)
+    group: tuple[int, ...]  # param-group index of each piece (selects lr and weight decay)
     numel: int  # size of the flat shard
     _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.starts)
         if not (len(self.ends) == len(self.in_norm) == len(self.group) == n):
-            raise ValueError("SegmentTable fields must have one entry per segment")
+            raise ValueError("PieceTable fields must have one entry per piece")
         prev_end = 0
         for s, e in zip(self.starts, self.ends):
             if not (prev_end <= s < e <= self.numel):
-                raise ValueError(f"segments must be sorted, non-empty, disjoint and inside [0, {self.numel})")
+                raise ValueError(f"pieces must be sorted, non-empty, disjoint and inside [0, {self.numel})")
             prev_end = e
 
     @property
-    def num_segments(self) -> int:
+    def num_pieces(self) -> int:
         return len(self.starts)
 
     @property
@@ -47,7 +47,7 @@ class SegmentTable:
         return 0 if span is None else (span[1] - span[0]) - self.covered
 
     def runs(self, key: tuple) -> list[tuple[int, int, object]]:
-        """Maximal runs of consecutive segments with equal key (gaps between them are included)."""
+        """Maximal runs of consecutive pieces with equal key (gaps between them are included)."""
         out: list[list] = []
         for s, e, k in zip(self.starts, self.ends, key):
             if out and out[-1][2] == k:
@@ -74,8 +74,8 @@ class SegmentTable:
         return self._device_cache[key]
 
 
-def full_table(numel: int) -> SegmentTable:
-    """One segment covering the whole shard, counted in the norm, group 0 (handy in tests)."""
+def full_table(numel: int) -> PieceTable:
+    """One piece covering the whole shard, counted in the norm, group 0 (handy in tests)."""
     if numel == 0:
-        return SegmentTable((), (), (), (), 0)
-    return SegmentTable((0,), (numel,), (True,), (0,), numel)
+        return PieceTable((), (), (), (), 0)
+    return PieceTable((0,), (numel,), (True,), (0,), numel)
