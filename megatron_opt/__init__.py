@@ -1,21 +1,37 @@
 """megatron_opt: a sharded mixed-precision distributed optimizer (ZeRO-1) with Megatron-LM's interface."""
 import torch  # noqa: F401  (must precede the compiled extension)
 
-from .config import DistributedDataParallelConfig, OptimizerConfig, UnsupportedConfigError
+from .config import DistributedDataParallelConfig, OptimizerConfig
+from .errors import ConfigError, InvalidConfigError, StepOrderError, UnsupportedConfigError
 from .distributed.buffers import LateGradientError
 from .distributed.ddp import DistributedDataParallel
+from .distributed.shard_view import GradSource, LocalShard, ShardPiece, assemble_full_tensors
 from .optimizer.chained import ChainedOptimizer
 from .optimizer.distrib_optimizer import DistributedOptimizer
 from .optimizer.factory import get_megatron_optimizer, get_param_groups
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .optimizer.step_machine import SkipReason, StepState
+from .optimizer.megatron_optimizer import MegatronOptimizer
+from .optimizer.step_driver import SkipReason, StepState
+from .optimizer.update_rules import SGD, AdamW, Lion, UpdateRule
 from .scheduler import OptimizerParamScheduler
 from .training import TrainStepResult, canonical_lr, train_step
 
 __all__ = [
     "DistributedDataParallelConfig",
     "OptimizerConfig",
+    "ConfigError",
+    "InvalidConfigError",
     "UnsupportedConfigError",
+    "StepOrderError",
+    "GradSource",
+    "LocalShard",
+    "ShardPiece",
+    "assemble_full_tensors",
+    "MegatronOptimizer",
+    "UpdateRule",
+    "AdamW",
+    "SGD",
+    "Lion",
     "DistributedDataParallel",
     "LateGradientError",
     "DistributedOptimizer",

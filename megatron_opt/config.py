@@ -14,8 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 
-class UnsupportedConfigError(ValueError):
-    """A config field is set to a value megatron_opt does not implement."""
+from .errors import ConfigError, InvalidConfigError, UnsupportedConfigError  # noqa: F401  (re-exported)
 
 
 def _reject_unsupported(config: Any, unsupported: dict[str, Any], why: dict[str, str]) -> None:
@@ -80,7 +79,7 @@ class DistributedDataParallelConfig:
                 "optimizer all-gathers params)."
             )
         if self.bucket_size is not None and self.bucket_size <= 0:
-            raise UnsupportedConfigError(f"bucket_size must be a positive element count or None, got {self.bucket_size}.")
+            raise InvalidConfigError(f"bucket_size must be a positive element count or None, got {self.bucket_size}.")
 
 
 @dataclass
@@ -112,6 +111,8 @@ class OptimizerConfig:
     adam_eps: float = 1e-08
     decoupled_weight_decay: bool = True
     sgd_momentum: float = 0.9
+    lion_beta1: float = 0.9  # megatron_opt only (Megatron-LM has no Lion): the interpolation for the sign
+    lion_beta2: float = 0.99  # megatron_opt only: the momentum decay
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
@@ -147,18 +148,18 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
-        if self.optimizer not in ("adam", "sgd"):
+        if self.optimizer not in ("adam", "sgd", "lion"):
             raise UnsupportedConfigError(
-                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam' or 'sgd'."
+                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam', 'sgd' or 'lion'."
             )
         if self.fp16 and self.bf16:
-            raise UnsupportedConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
+            raise InvalidConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
         if self.lr is None:
-            raise UnsupportedConfigError("OptimizerConfig.lr must be set (the peak learning rate).")
+            raise InvalidConfigError("OptimizerConfig.lr must be set (the peak learning rate).")
         if self.grad_norm_skip_threshold is not None and math.isinf(self.grad_norm_skip_threshold):
             self.grad_norm_skip_threshold = None  # Megatron's default 'inf' means off.
         if self.loss_scale is not None and self.loss_scale <= 0:
-            raise UnsupportedConfigError(f"OptimizerConfig.loss_scale must be positive, got {self.loss_scale}.")
+            raise InvalidConfigError(f"OptimizerConfig.loss_scale must be positive, got {self.loss_scale}.")
 
     @property
     def model_dtype(self) -> torch.dtype:
@@ -174,4 +175,5 @@ def config_fields(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-__all__ = ["DistributedDataParallelConfig", "OptimizerConfig", "UnsupportedConfigError", "config_fields"]
+__all__ = ["DistributedDataParallelConfig", "OptimizerConfig", "ConfigError", "InvalidConfigError",
+           "UnsupportedConfigError", "config_fields"]

@@ -42,8 +42,8 @@ def chained_expert_step(inject_expert_inf: bool) -> dict:
     ((ddp(x) - t) ** 2).sum().backward()
     ddp.finish_grad_sync()
     if inject_expert_inf and rank == 1:
-        expert_opt = opt.chained_optimizers[1]
-        expert_opt._shards[0].bucket.grad_shard[expert_opt._shards[0].table.starts[0]] = float("inf")
+        shard = next(s for s in ddp.local_shards(expert_parallel=True) if s.pieces)
+        shard.grad[shard.pieces[0].shard_range.start] = float("inf")
     before = flat_params(model)
     success, norm, _ = opt.step()
     ((ref(x.double()) - t.double()) ** 2).sum().backward()

@@ -42,9 +42,12 @@ class _LogCapture(logging.Handler):
 
 
 def _optimizer_state(opt) -> list[torch.Tensor]:
-    children = getattr(opt, "chained_optimizers", [opt])
-    return [t.clone() for c in children for s in c._shards for t in s.state_tensors().values()] + \
-           [c._step.clone() for c in children]
+    return [t.clone() for t in opt.local_state_tensors().values()]
+
+
+def _poison_first_owned_grad(ddp, offset: int = 0) -> None:
+    shard = next(s for s in ddp.local_shards() if s.pieces)
+    shard.grad[shard.pieces[0].shard_range.start + offset] = float("inf")
 
 
 # --------------------------------------------------------------------------- rule 1
@@ -100,7 +103,7 @@ def rule01_prepare_once() -> dict:
         ref_loss = sum(_lm_loss(ref, b)[0] for bs in all_batches for b in bs) / n_global
         ref_loss.backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))
-        shards = len(opt._shards)
+        shards = sum(1 for s in ddp.local_shards() if s.pieces)
         return dict(calls=calls, shards=shards, norm=norm, ref_norm=ref_norm, grads_unchanged=unchanged,
                     raised=raised, params=flat_params(model))
 
@@ -142,8 +145,7 @@ def rule03_global_overflow_decision() -> dict:
         opt.scale_loss(token_loss_sum(ddp(x), y)[0]).backward()
         ddp.finish_grad_sync()
         if step == 1 and rank == 1:
-            shard = opt._shards[0]
-            shard.bucket.grad_shard[shard.table.starts[0] + 1] = float("inf")
+            _poison_first_owned_grad(ddp, offset=1)
         before_params, before_state = flat_params(model), _optimizer_state(opt)
         calls = []
         real = collectives.all_reduce
@@ -437,8 +439,7 @@ def fp16_trajectory_then_one_rank_overflow() -> dict:
     def finish_and_poison():
         real_finish()
         if poison["on"] and rank == 1:
-            shard = opt._shards[0]
-            shard.bucket.grad_shard[shard.table.starts[0]] = float("inf")
+            _poison_first_owned_grad(ddp)
 
     ddp.finish_grad_sync = finish_and_poison
     batch = [(torch.tensor(1e-3 * (rank + 1)), 2)]
@@ -446,7 +447,7 @@ def fp16_trajectory_then_one_rank_overflow() -> dict:
     for _ in range(8):
         assert mo.train_step(ddp, opt, sched, batch, loss_fn, samples_per_step=2).success
     after_clean = float(opt.get_loss_scale())
-    owns = bool(opt._shards) and len(opt._shards[0].pieces) > 0
+    owns = any(s.pieces for s in ddp.local_shards())
     before = (flat_params(model), _optimizer_state(opt), sched.num_steps)
     poison["on"] = True
     res = mo.train_step(ddp, opt, sched, batch, loss_fn, samples_per_step=2)

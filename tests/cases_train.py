@@ -113,8 +113,7 @@ def run_probe(scenario: dict) -> dict:
             return out
         w_after = ddp.module.w.detach().clone()
         assert_identical_across_ranks(w_after)
-        buf = ddp.buffers[0]
-        owned = sum(pc.param_range.size for b in range(len(buf.buckets)) for pc in buf.layout.shard_pieces(b, buf.rank))
+        owned = sum(pc.param_range.size for shard in ddp.local_shards() for pc in shard.pieces)
         out["steps"].append({
             "owned_w": owned,
             "w_before": w_before.tolist(),

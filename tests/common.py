@@ -98,20 +98,7 @@ def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 def full_main_params(ddp: mo.DistributedDataParallel, opt) -> dict[str, torch.Tensor]:
     """Every param's fp32 master, assembled from all ranks' shards (a collective)."""
-    children = getattr(opt, "chained_optimizers", [opt])
-    out = {}
-    for buf in ddp.buffers:
-        full = torch.zeros(buf.layout.numel, dtype=torch.float32)
-        for child in children:
-            for s in child._shards:
-                if s.buffer is buf:
-                    b = buf.layout.buckets[s.bucket.index].shard_range(buf.rank, buf.shard_count)
-                    full[b.start : b.end] = s.master
-        if buf.reduce_scatter and dist.is_initialized():
-            dist.all_reduce(full, group=buf.group)
-        for name, p, rng in zip(buf.names, buf.params, buf.layout.param_ranges):
-            out[name] = full[rng.start : rng.end].view(p.shape).clone()
-    return out
+    return opt.gather_main_params()
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
@@ -155,20 +142,9 @@ class Probe(torch.nn.Module):
 
 def full_reduced_grads(ddp: mo.DistributedDataParallel) -> dict[str, torch.Tensor]:
     """The reduced, normalised (x grad_scale_factor) gradient of every param, assembled on all ranks."""
-    out = {}
-    for buf in ddp.buffers:
-        full = torch.zeros(buf.layout.numel, dtype=torch.float64)
-        for bucket in buf.buckets:
-            if buf.reduce_scatter and dist.is_initialized() and buf.shard_count > 1:
-                parts = [torch.empty_like(bucket.grad_shard) for _ in range(buf.shard_count)]
-                dist.all_gather(parts, bucket.grad_shard.contiguous(), group=buf.group)
-                full[bucket.range.start : bucket.range.end] = torch.cat(parts).double()
-            else:
-                full[bucket.range.start : bucket.range.end] = bucket.grad_data.double()
-        full *= float(ddp.grad_scale_factor)
-        for name, p, rng in zip(buf.names, buf.params, buf.layout.param_ranges):
-            out[name] = full[rng.start : rng.end].view(p.shape).clone()
-    return out
+    scale = float(ddp.grad_scale_factor)
+    full = mo.assemble_full_tensors(ddp.local_shards(), lambda shard: shard.grad, dtype=torch.float64)
+    return {name: g * scale for name, g in full.items()}
 
 
 def sgd_exact(**kw) -> dict:

@@ -19,7 +19,7 @@ def test_contract_01_prepare_once(pools):
             assert r["calls"] == {"stats": r["shards"], "update": 1}, (rank, path, r["calls"])
             assert r["grads_unchanged"], "a pass wrote into the persistent grad buffer"
             assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5), (rank, path)
-        assert res["split"]["raised"] is not None and "CONTRACT rule 1" in res["split"]["raised"]
+        assert res["split"]["raised"] is not None and "rule 1 of docs/contract.md" in res["split"]["raised"]
         assert torch.equal(res["plain"]["params"], res["split"]["params"])
 
 

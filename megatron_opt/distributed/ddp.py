@@ -16,6 +16,7 @@ from ..config import DistributedDataParallelConfig
 from . import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
 from .layout import build_buffer_layout
+from .shard_view import LocalShard
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -40,8 +41,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._check_params(named)
         self.buffers = self._build_buffers(named)
         self._buffer_of = {id(p): buf for buf in self.buffers for p in buf.params}
-        self.generation = 0  # bumped by zero_grad_buffer(): lets the optimizer tell steps apart
-        self.grads_received = 0
+        self._step_id = 0  # advanced by zero_grad_buffer(): lets the optimizer tell steps apart
+        self._grads_received = 0
+        self._local_shards: Optional[list[LocalShard]] = None
         self._sync_enabled = True
         self._launch_cursor = 0
         self._buckets = [b for buf in self.buffers for b in buf.buckets]
@@ -114,6 +116,36 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.finish_param_sync()
         return hook
 
+    # ----------------------------------------------------------------- the optimizer's view (shard_view.GradSource)
+    def local_shards(self, expert_parallel: Optional[bool] = None) -> list[LocalShard]:
+        """This rank's shard of every bucket, in buffer and bucket order (dense or expert only if asked)."""
+        if self._local_shards is None:
+            self._local_shards = [self._publish(bi, buf, bucket) for bi, buf in enumerate(self.buffers)
+                                  for bucket in buf.buckets]
+        return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
+
+    @staticmethod
+    def _publish(buffer_index: int, buf: ParamAndGradBuffer, bucket: Bucket) -> LocalShard:
+        members = {buf.param_index[id(p)]: p for p in bucket.params}
+        return LocalShard.make(
+            params=members, names={i: buf.names[i] for i in members},
+            grad=bucket.grad_shard, param=bucket.param_shard,
+            pieces=tuple(buf.layout.shard_pieces(bucket.index, buf.rank)),
+            group=buf.group, sharded=buf.reduce_scatter and buf.shard_count > 1,
+            is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
+            rank=buf.rank, shard_count=buf.shard_count,
+        )
+
+    @property
+    def step_id(self) -> int:
+        """Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step."""
+        return self._step_id
+
+    @property
+    def grads_received(self) -> int:
+        """Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step)."""
+        return self._grads_received
+
     # ----------------------------------------------------------------- forward / state
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -148,7 +180,7 @@ class DistributedDataParallel(torch.nn.Module):
                 f"gradients before finish_grad_sync(), and call zero_grad_buffer() before a new step's backward."
             )
         param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
-        self.grads_received += 1
+        self._grads_received += 1
         if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
             bucket.mark_ready(param)
             self._launch_ready_buckets()
@@ -202,8 +234,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._launch_cursor = 0
         self._nonfinite.zero_()
         self.grad_scale_factor.fill_(self._base_grad_scale)
-        self.grads_received = 0
-        self.generation += 1
+        self._grads_received = 0
+        self._step_id += 1
 
     def scale_gradients(self, factor: Union[float, torch.Tensor]) -> None:
         """Megatron's scale_gradients, deferred: multiplies grad_scale_factor instead of the buffer."""
@@ -214,10 +246,16 @@ class DistributedDataParallel(torch.nn.Module):
         self.grad_scale_factor.copy_(torch.as_tensor(factor, dtype=torch.float32).reshape(1))
 
     # ----------------------------------------------------------------- params
-    def start_param_sync(self, force_sync: bool = False, buffers: Optional[list] = None) -> None:
-        """All-gather updated param shards; async (waited in forward pre-hooks) with overlap_param_gather."""
+    def start_param_sync(self, *unused, force_sync: bool = False, expert_parallel: Optional[bool] = None) -> None:
+        """All-gather updated param shards; async (waited in forward pre-hooks) with overlap_param_gather.
+
+        ``expert_parallel`` limits it to the dense (False) or expert (True) buffers; positional
+        arguments are accepted and ignored, as megatron-core's schedules pass some.
+        """
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        for buf in buffers if buffers is not None else self.buffers:
+        for buf in self.buffers:
+            if expert_parallel is not None and buf.is_expert_parallel != expert_parallel:
+                continue
             for bucket in reversed(buf.buckets):  # forward order: the first layers' bucket first
                 bucket.start_param_sync(async_op)
                 if not async_op:

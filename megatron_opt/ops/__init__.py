@@ -1,22 +1,27 @@
-"""Dispatch for the step's fused operations.
+"""The step's fused operations, behind one typed front per op.
 
-CUDA tensors go to the compiled extension (megatron_opt._C, wrapped by ``ops.cuda``) when it was
-built; everything else, and CUDA without the extension, goes to ``ops.reference``. Both sides have
-the same signatures and semantics. CPU tensors go to ``ops.cpu`` (torch's fused CPU kernels, checked
-against the reference in tests). MEGATRON_OPT_DISABLE_CUDA_EXT=1 turns the extension off;
-MEGATRON_OPT_OPS=reference sends everything to the reference.
+Three implementations share the signatures and semantics of ``ops.reference`` (the spec):
+``"cuda-ext"`` (the compiled ``megatron_opt._C``, wrapped by ``ops.cuda``), ``"cpu"`` (torch's fused
+CPU kernels, checked against the reference in tests) and ``"reference"``. Every front takes
+``backend``: ``"auto"`` picks by the tensor's device (CUDA tensors go to the extension when it was
+built, else to the reference; CPU tensors go to ``cpu``). The environment is only an override, for
+debugging: MEGATRON_OPT_OPS=reference|cpu forces that backend; MEGATRON_OPT_DISABLE_CUDA_EXT=1
+skips loading the extension.
 """
 from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
 from . import cpu, reference
-from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 from .piece_table import PieceTable, full_table
+from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
+
+Backend = Literal["auto", "cuda-ext", "cpu", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "cuda-ext", "cpu", "reference")
 
 _cuda_impl: Optional[ModuleType] = None
 CUDA_EXT_ERROR: Optional[str] = None
@@ -30,52 +35,90 @@ if os.environ.get("MEGATRON_OPT_DISABLE_CUDA_EXT") != "1":
 HAS_CUDA_EXT = _cuda_impl is not None
 
 
-_FORCE_REFERENCE = os.environ.get("MEGATRON_OPT_OPS") == "reference"
+def resolve_backend(t: torch.Tensor, backend: str = "auto") -> str:
+    """The backend an op on ``t`` runs on: MEGATRON_OPT_OPS if set, else ``backend`` ('auto' by device)."""
+    override = os.environ.get("MEGATRON_OPT_OPS")
+    chosen = override or backend
+    if chosen not in BACKENDS:
+        source = "MEGATRON_OPT_OPS" if override else "backend"
+        raise ValueError(f"{source}={chosen!r} is not an ops backend; use one of {BACKENDS}.")
+    if chosen == "auto":
+        if t.is_cuda:
+            return "cuda-ext" if HAS_CUDA_EXT else "reference"
+        return "cpu" if t.device.type == "cpu" else "reference"
+    if chosen == "cuda-ext" and not HAS_CUDA_EXT:
+        raise RuntimeError(f"ops backend 'cuda-ext' was asked for but the extension is not built ({CUDA_EXT_ERROR}).")
+    return chosen
 
 
-def _impl(t: torch.Tensor) -> ModuleType:
-    if _FORCE_REFERENCE:
-        return reference
-    if t.is_cuda:
-        return _cuda_impl if _cuda_impl is not None else reference  # type: ignore[return-value]
-    return cpu if t.device.type == "cpu" else reference
-
-
-def grad_stats(grad, table, inv_scale, stats, count_zeros=True) -> None:
-    _impl(grad).grad_stats(grad, table, inv_scale, stats, count_zeros)
-
-
-def copy_grads_to_main(grad, main_grad, table, inv_scale, found_inf) -> None:
-    _impl(grad).copy_grads_to_main(grad, main_grad, table, inv_scale, found_inf)
-
-
-def advance_step(step, found_inf=None) -> None:
-    _impl(step).advance_step(step, found_inf)
-
-
-def adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, **kw) -> None:
-    _impl(grad).adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, **kw)
-
-
-def sgd_step(grad, master, momentum_buffer, param_out, table, **kw) -> None:
-    _impl(grad).sgd_step(grad, master, momentum_buffer, param_out, table, **kw)
+def _impl(t: torch.Tensor, backend: str) -> ModuleType:
+    name = resolve_backend(t, backend)
+    return {"cuda-ext": _cuda_impl, "cpu": cpu, "reference": reference}[name]  # type: ignore[return-value]
 
 
 def backend_for(t: torch.Tensor) -> str:
-    """'cuda-ext', 'cpu' or 'reference': which implementation a tensor's ops run on."""
-    impl = _impl(t)
-    return "cuda-ext" if impl is _cuda_impl and impl is not None else "cpu" if impl is cpu else "reference"
+    """'cuda-ext', 'cpu' or 'reference': where an op on ``t`` runs with backend='auto'."""
+    return resolve_backend(t, "auto")
+
+
+# ---------------------------------------------------------------------------------------- pass 1
+def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
+               count_zeros: bool = True, *, backend: Backend = "auto") -> None:
+    """stats += [non-finite count, sum of (grad*inv_scale)^2 over in-norm pieces, zero count]."""
+    _impl(grad, backend).grad_stats(grad, table, inv_scale, stats, count_zeros)
+
+
+def copy_grads_to_main(grad: torch.Tensor, main_grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor,
+                       found_inf: torch.Tensor, *, backend: Backend = "auto") -> None:
+    _impl(grad, backend).copy_grads_to_main(grad, main_grad, table, inv_scale, found_inf)
+
+
+def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
+    """step += 1 on the device, unless ``found_inf`` is given and nonzero."""
+    _impl(step, backend).advance_step(step, found_inf)
+
+
+# ---------------------------------------------------------------------------------------- pass 2
+def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
+               weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor, beta1: float,
+               beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
+               backend: Backend = "auto") -> None:
+    _impl(grad, backend).adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr,
+                                    weight_decay=weight_decay, grad_scale=grad_scale, step=step, beta1=beta1,
+                                    beta2=beta2, eps=eps, found_inf=found_inf)
+
+
+def sgd_step(grad: torch.Tensor, master: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
+             param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
+             weight_decay: Sequence[float], grad_scale: torch.Tensor, momentum: float, nesterov: bool = False,
+             found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
+    _impl(grad, backend).sgd_step(grad, master, momentum_buffer, param_out, table, lr=lr,
+                                  weight_decay=weight_decay, grad_scale=grad_scale, momentum=momentum,
+                                  nesterov=nesterov, found_inf=found_inf)
+
+
+def lion_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, param_out: Optional[torch.Tensor],
+              table: PieceTable, *, lr: Sequence[float], weight_decay: Sequence[float], grad_scale: torch.Tensor,
+              beta1: float, beta2: float, found_inf: Optional[torch.Tensor] = None,
+              backend: Backend = "auto") -> None:
+    _impl(grad, backend).lion_step(grad, master, exp_avg, param_out, table, lr=lr, weight_decay=weight_decay,
+                                   grad_scale=grad_scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
 
 
 __all__ = [
+    "Backend",
+    "BACKENDS",
     "PieceTable",
     "full_table",
+    "resolve_backend",
+    "backend_for",
     "grad_stats",
     "copy_grads_to_main",
     "advance_step",
     "adamw_step",
     "sgd_step",
-    "backend_for",
+    "lion_step",
     "HAS_CUDA_EXT",
     "CUDA_EXT_ERROR",
     "NUM_STATS",

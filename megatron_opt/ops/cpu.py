@@ -14,12 +14,13 @@ from typing import Optional, Sequence
 import torch
 
 from . import reference
-from .reference import _skipped, _sum_of_squares
+from .common import is_skipped, sum_of_squares
 from .piece_table import PieceTable
 
 copy_grads_to_main = reference.copy_grads_to_main
 advance_step = reference.advance_step
 sgd_step = reference.sgd_step
+lion_step = reference.lion_step  # torch has no fused Lion; the reference is already one pass of vector ops
 
 
 def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
@@ -27,8 +28,8 @@ def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, s
     span = table.span()
     if span is None:
         return
-    in_norm = _sum_of_squares(grad, table.norm_runs())
-    excluded = _sum_of_squares(grad, [(s, e) for s, e, k in table.runs(table.in_norm) if not k])
+    in_norm = sum_of_squares(grad, table.norm_runs())
+    excluded = sum_of_squares(grad, [(s, e) for s, e, k in table.runs(table.in_norm) if not k])
     if math.isfinite(float(in_norm + excluded)):
         nonfinite = 0
     else:  # rare: count exactly, over the pieces only
@@ -60,7 +61,7 @@ def adamw_step(
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     span = table.span()
-    if span is None or _skipped(found_inf):
+    if span is None or is_skipped(found_inf):
         return
     a, b = span
     g = grad[a:b].float() * grad_scale  # a new tensor: the grad buffer is never written

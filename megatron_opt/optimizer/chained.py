@@ -1,8 +1,9 @@
 """ChainedOptimizer: dense and expert-parallel DistributedOptimizers stepped as one.
 
-The children's local stats go into one vector, reduced with one all-reduce over a group that
-covers every rank holding any shard (the world by default), so there is one global norm, one
-clip coefficient and one skip decision, and one loss scaler updated once (CONTRACT rules 2-3).
+The chain's one StepDriver drives every child's ShardGroup: their local stats go into one vector,
+reduced with one all-reduce over a group that covers every rank holding any shard (the world by
+default), so there is one global norm, one clip coefficient, one skip decision and one loss-scaler
+update (docs/contract.md rules 2-3). A child cannot be stepped behind the chain's back.
 """
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Optional, Sequence
 import torch
 
 from .distrib_optimizer import DistributedOptimizer
-from .step_machine import StepMachine
+from .megatron_optimizer import MegatronOptimizer
+from .shard_group import ShardGroup
+from .step_driver import StepDriver
 
 
-class ChainedOptimizer(StepMachine):
+class ChainedOptimizer(MegatronOptimizer):
     def __init__(
         self,
         chained_optimizers: Sequence[DistributedOptimizer],
@@ -22,6 +25,8 @@ class ChainedOptimizer(StepMachine):
     ) -> None:
         if not chained_optimizers:
             raise ValueError("ChainedOptimizer needs at least one child optimizer.")
+        if any(c._chained_into is not None for c in chained_optimizers):
+            raise ValueError("an optimizer can belong to one ChainedOptimizer only.")
         scalers = {id(c.grad_scaler) for c in chained_optimizers}
         if len(scalers) != 1:
             raise ValueError("all children of a ChainedOptimizer must share one grad scaler (or all have none): "
@@ -33,34 +38,15 @@ class ChainedOptimizer(StepMachine):
                              "and grad_norm_skip_threshold (they share one norm and one decision).")
         self.chained_optimizers = list(chained_optimizers)
         self.config = self.chained_optimizers[0].config
-        self.grad_scaler = self.chained_optimizers[0].grad_scaler
         self.grad_stats_group = grad_stats_group
-        self._init_step_machine(self.chained_optimizers[0]._one.device)
+        device = self.chained_optimizers[0].shard_group.step.device
+        scaler = self.chained_optimizers[0].grad_scaler
+        self._driver = StepDriver(self._leaves(), self.config, scaler, [grad_stats_group], device)
+        for child in self.chained_optimizers:
+            child._driver, child._chained_into = self._driver, self
 
-    def _children(self) -> list[DistributedOptimizer]:
-        return self.chained_optimizers
-
-    def _stats_groups(self) -> list:
-        return [self.grad_stats_group]
-
-    @property
-    def model_chunks(self) -> list:
-        return self._model_chunks()
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return [g for c in self.chained_optimizers for g in c.param_groups]
-
-    @property
-    def state(self) -> dict:
-        return {k: v for c in self.chained_optimizers for k, v in c.state.items()}
-
-    def get_parameters(self) -> list[torch.Tensor]:
-        return [p for c in self.chained_optimizers for p in c.get_parameters()]
-
-    def reload_model_params(self) -> None:
-        for c in self.chained_optimizers:
-            c.reload_model_params()
+    def _leaves(self) -> list[ShardGroup]:
+        return [c.shard_group for c in self.chained_optimizers]
 
     def state_dict(self) -> dict:
         return {"chained": [c.state_dict() for c in self.chained_optimizers]}
@@ -71,6 +57,6 @@ class ChainedOptimizer(StepMachine):
             raise ValueError(f"ChainedOptimizer.load_state_dict: expected {len(self.chained_optimizers)} child "
                              f"state dicts under 'chained'. Load a checkpoint saved by the same model setup.")
         for c, sd in zip(self.chained_optimizers, saved):  # check all before changing any
-            c._check_loadable(sd)
+            c.check_loadable(sd)
         for c, sd in zip(self.chained_optimizers, saved):
             c.load_state_dict(sd)

@@ -6,6 +6,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from ..config import OptimizerConfig
+from ..errors import InvalidConfigError
 from ..distributed.ddp import DistributedDataParallel
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
@@ -95,7 +96,7 @@ def get_megatron_optimizer(
             raise TypeError(f"get_megatron_optimizer needs megatron_opt.DistributedDataParallel chunks, got "
                             f"{type(chunk).__name__}; wrap the model first.")
         if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-            raise ValueError(
+            raise InvalidConfigError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
                 f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
                 f"{chunk.ddp_config.use_distributed_optimizer}; set both the same."

@@ -1,0 +1,114 @@
+"""The boundary between data parallelism and the optimizer: published shard views and a protocol.
+
+``distributed/`` owns buffers, buckets and their layout; the optimizer sees none of that. It gets:
+
+* ``LocalShard``: one frozen view per bucket of this rank's owned range (flat grad and param views,
+  the param pieces inside it with their names, the process group), from
+  ``GradSource.local_shards()``;
+* ``GradSource``: the few calls the optimizer makes on a model chunk during a step.
+
+``assemble_full_tensors`` turns per-shard flat tensors (masters, grads) back into whole params by
+name, a collective over each shard's group.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from . import collectives
+from .layout import ShardPiece
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's owned range of one bucket.
+
+    ``pieces`` are the parts of params inside the range, in shard order; ``ShardPiece.param_index``
+    keys ``params`` and ``names``, which list every param of the bucket (also those this rank owns
+    no piece of), so a collective over the bucket's params can be issued identically on every rank.
+    """
+
+    grad: torch.Tensor  # flat view of the bucket's gradient buffer over the owned range
+    param: torch.Tensor  # flat view of the bucket's param buffer (model dtype) over the owned range
+    pieces: tuple[ShardPiece, ...]
+    params: Mapping[int, torch.nn.Parameter]
+    names: Mapping[int, str]
+    group: Optional[torch.distributed.ProcessGroup]
+    sharded: bool  # True: reduce-scattered, other ranks own the rest; False: all-reduced, this rank has it all
+    is_expert_parallel: bool
+    buffer_index: int
+    bucket_index: int
+    rank: int  # this rank's index among the bucket's shard owners (0 when not sharded)
+    shard_count: int
+
+    @property
+    def numel(self) -> int:
+        return self.grad.numel()
+
+    @staticmethod
+    def make(params: Mapping[int, torch.nn.Parameter], names: Mapping[int, str], **fields) -> "LocalShard":
+        return LocalShard(params=MappingProxyType(dict(params)), names=MappingProxyType(dict(names)), **fields)
+
+
+@runtime_checkable
+class GradSource(Protocol):
+    """What the optimizer needs from one data-parallel model chunk (DistributedDataParallel).
+
+    * ``local_shards(expert_parallel)``: the published shards, built once, in bucket order.
+    * ``finish_grad_sync()``: launch what is left of the gradient reduction and wait for it.
+    * ``grad_scale_factor``: a device scalar; the logical gradient is ``shard.grad * grad_scale_factor``.
+    * ``step_id``: advanced by ``zero_grad_buffer()``, so the optimizer can tell a new step's gradients.
+    * ``grads_received``: gradients accumulated since ``zero_grad_buffer()`` (0: no backward ran).
+    * ``start_param_sync(force_sync=..., expert_parallel=...)`` / ``finish_param_sync()``: all-gather
+      the updated param shards (async with overlap_param_gather).
+    """
+
+    grad_scale_factor: torch.Tensor
+
+    @property
+    def step_id(self) -> int: ...
+
+    @property
+    def grads_received(self) -> int: ...
+
+    def local_shards(self, expert_parallel: Optional[bool] = None) -> list[LocalShard]: ...
+
+    def finish_grad_sync(self) -> None: ...
+
+    def start_param_sync(self, *unused, force_sync: bool = False, expert_parallel: Optional[bool] = None) -> None: ...
+
+    def finish_param_sync(self) -> None: ...
+
+
+def assemble_full_tensors(
+    shards: Sequence[LocalShard],
+    flat_of: Callable[[LocalShard], torch.Tensor],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, torch.Tensor]:
+    """Whole params by name, in their shapes, from one flat tensor per shard (a collective).
+
+    Every rank must call it with the same shards (those of the same model chunks): for each bucket,
+    the params are zero-filled, this rank's pieces are written, and one SUM all-reduce over the
+    bucket's group fills in the pieces other ranks own (pieces are disjoint, so the sum is exact).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        flat = flat_of(shard)
+        order = sorted(shard.params)
+        full = {i: torch.zeros(shard.params[i].numel(), dtype=dtype, device=flat.device) for i in order}
+        for pc in shard.pieces:
+            full[pc.param_index][pc.param_range.start : pc.param_range.end] = \
+                flat[pc.shard_range.start : pc.shard_range.end].to(dtype)
+        if shard.sharded and order:
+            packed = torch.cat([full[i] for i in order])
+            collectives.all_reduce(packed, shard.group)
+            full = dict(zip(order, packed.split([full[i].numel() for i in order])))
+        for i in order:
+            out[shard.names[i]] = full[i].view(shard.params[i].shape).clone()
+    return out
+
+
+__all__ = ["LocalShard", "GradSource", "ShardPiece", "assemble_full_tensors"]

@@ -1,0 +1,21 @@
+"""The exception types megatron_opt raises on purpose, so callers can tell misuse from bugs."""
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration value megatron_opt cannot run with (the message names the field and the fix)."""
+
+
+class InvalidConfigError(ConfigError):
+    """A value outside its valid range, or settings that contradict each other."""
+
+
+class UnsupportedConfigError(ConfigError):
+    """A valid Megatron-LM setting that megatron_opt does not implement (nothing is silently ignored)."""
+
+
+class StepOrderError(RuntimeError):
+    """An optimizer or DDP method called out of order (e.g. prepare_grads() twice in one step)."""
+
+
+__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError"]

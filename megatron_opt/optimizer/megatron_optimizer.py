@@ -1,0 +1,132 @@
+"""MegatronOptimizer: Megatron-LM's optimizer interface, as a thin face over a StepDriver and its leaves.
+
+DistributedOptimizer and ChainedOptimizer are both this face. Once a DistributedOptimizer is put
+into a ChainedOptimizer, its driver is the chain's: reading it (step_state, skipped_steps, the loss
+scale) shows the chain's values, and stepping it on its own raises StepOrderError.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from ..errors import StepOrderError
+from .grad_scaler import MegatronGradScaler
+from .shard_group import ShardGroup
+from .step_driver import SkipReason, StepDriver, StepState
+
+
+class MegatronOptimizer:
+    config: Any
+    _driver: StepDriver
+    _chained_into: Optional["MegatronOptimizer"] = None
+
+    # ----------------------------------------------------------------- for subclasses
+    def _leaves(self) -> list[ShardGroup]:
+        raise NotImplementedError
+
+    def _stepping_driver(self, what: str) -> StepDriver:
+        if self._chained_into is not None:
+            raise StepOrderError(
+                f"{type(self).__name__}.{what} was called on a child of a ChainedOptimizer; the chain owns the "
+                f"step (one norm, one skip decision, one loss-scaler update): call the ChainedOptimizer's {what}."
+            )
+        return self._driver
+
+    # ----------------------------------------------------------------- the step (Megatron-LM's split API)
+    def prepare_grads(self) -> bool:
+        """Pass 1 and the global decision. Returns found_inf (True: this step must be skipped)."""
+        return self._stepping_driver("prepare_grads()").prepare_grads()
+
+    def get_grad_norm(self) -> float:
+        """The unscaled global gradient norm, before clipping, identical on every rank."""
+        return self._stepping_driver("get_grad_norm()").get_grad_norm()
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip by the global norm. No pass over the grads: the coefficient rides in pass 2's scalar."""
+        return self._stepping_driver("clip_grad_norm()").clip_grad_norm(clip_grad)
+
+    def count_zeros(self) -> Optional[int]:
+        """Zero gradient elements over all ranks; None unless config.log_num_zeros_in_grad."""
+        return self._stepping_driver("count_zeros()").count_zeros()
+
+    def step_with_ready_grads(self) -> bool:
+        """Pass 2 on every leaf and the param all-gather; False (and no change) when the step skips."""
+        return self._stepping_driver("step_with_ready_grads()").step_with_ready_grads()
+
+    def step(self) -> tuple[bool, Optional[float], Optional[int]]:
+        """Run the whole update once. Returns (success, grad_norm, num_zeros); (False, None, None) on a skip."""
+        return self._stepping_driver("step()").step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear model-param .grad (the DDP buffer is zeroed by zero_grad_buffer()) and start a new step."""
+        self._stepping_driver("zero_grad()").zero_grad(set_to_none)
+
+    # ----------------------------------------------------------------- read-only state of the step
+    @property
+    def grad_scaler(self) -> Optional[MegatronGradScaler]:
+        """The one loss scaler of the step (a chain's children report the chain's)."""
+        return self._driver.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: Optional[MegatronGradScaler]) -> None:
+        self._driver.grad_scaler = scaler
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._driver.get_loss_scale()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale().to(loss.dtype)
+
+    @property
+    def step_state(self) -> StepState:
+        return self._driver.state
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._driver.skipped_steps
+
+    @property
+    def last_skip_reason(self) -> Optional[SkipReason]:
+        return self._driver.last_skip_reason
+
+    @property
+    def model_chunks(self) -> list:
+        return list(self._driver.sources)
+
+    # ----------------------------------------------------------------- params and state
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for leaf in self._leaves() for g in leaf.param_groups]
+
+    @property
+    def state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per main param: views of the flat optimizer state, as torch.optim exposes it."""
+        return {k: v for leaf in self._leaves() for k, v in leaf.per_param_state().items()}
+
+    def get_parameters(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def local_state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state tensors by name (views: masters, update-rule state, step counters)."""
+        leaves = self._leaves()
+        return {f"{i}.{k}" if len(leaves) > 1 else k: v
+                for i, leaf in enumerate(leaves) for k, v in leaf.state_tensors().items()}
+
+    def gather_main_params(self) -> dict[str, torch.Tensor]:
+        """Every trainable param's fp32 master by name, in its shape, identical on all ranks.
+
+        A collective (like DTensor's full_tensor()): every rank of the data-parallel group must call it.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for leaf in self._leaves():
+            out.update(leaf.gather_main_params())
+        return out
+
+    def reload_model_params(self) -> None:
+        """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters."""
+        for leaf in self._leaves():
+            leaf.reload_model_params()
+
+
+__all__ = ["MegatronOptimizer"]

@@ -1,0 +1,289 @@
+"""ShardGroup: the leaf of the optimizer: masters and update-rule state for a set of published shards.
+
+For each ``LocalShard`` (this rank's range of one bucket) it keeps:
+  * ``master``: fp32. A detached fp32 clone for bf16/fp16 params; for fp32 params a detached view
+    of the param buffer, so the update lands in the model param with no copy;
+  * the update rule's state tensors (AdamW's moments, SGD's momentum, Lion's exp_avg), owned
+    elements only;
+  * a PieceTable: where each param piece lies, whether it counts in the norm, its param group.
+Every tensor in ``param_groups`` is a leaf view of a master (docs/contract.md rule 6).
+
+The step driver calls the leaf protocol (``accumulate_local_stats``, ``apply_update``,
+``start_param_sync``); the leaf never decides anything on its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.profiler import record_function
+
+from .. import ops
+from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
+from ..ops.piece_table import PieceTable
+from .update_rules import UpdateRule
+
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce",
+                   "sequence_parallel", "grad_norm_group")
+
+
+@dataclass
+class ShardState:
+    """The optimizer's side of one LocalShard."""
+
+    shard: LocalShard
+    source: GradSource
+    table: PieceTable
+    master: torch.Tensor
+    param_out: Optional[torch.Tensor]  # None when master aliases the fp32 param buffer
+    state: dict[str, torch.Tensor]
+    main_params: tuple[torch.Tensor, ...]  # per piece: the leaf view of master in param_groups
+
+
+def _tp_rank(group: Optional[torch.distributed.ProcessGroup]) -> int:
+    from ..distributed import collectives
+
+    return collectives.rank(group) if group is not None else 0
+
+
+def counts_in_norm(p: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Shared params count once; tensor-parallel duplicates count on TP rank 0 only."""
+    if getattr(p, "shared", False):
+        return False
+    return bool(getattr(p, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class ShardGroup:
+    """Masters and state for the dense (or expert-parallel) shards of some model chunks."""
+
+    def __init__(
+        self,
+        sources: Sequence[GradSource],
+        rule: UpdateRule,
+        param_groups: Optional[list[dict]],
+        *,
+        default_lr: float,
+        default_weight_decay: float,
+        expert_parallel: bool = False,
+        tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+    ) -> None:
+        self.sources = list(sources)
+        self.rule = rule
+        self.is_expert_parallel = expert_parallel
+        self._shards_in = [(src, s) for src in self.sources for s in src.local_shards(expert_parallel)]
+        device = self._shards_in[0][1].grad.device if self._shards_in else torch.device("cpu")
+        self.backend = ops.resolve_backend(torch.empty(0, device=device))
+        self.step = torch.zeros(1, dtype=torch.int64, device=device)  # updates applied so far
+        self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
+        self.shards = self._build_shards(_tp_rank(tensor_parallel_group))
+        self._inv_scale: dict[int, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------- construction
+    def _managed(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
+        return {id(p): (s.names[i], p) for _, s in self._shards_in for i, p in s.params.items()}
+
+    def _build_param_groups(self, groups: Optional[list[dict]], lr: float, weight_decay: float) -> list[dict]:
+        managed = self._managed()
+        if groups is None:
+            groups = [{"params": [p for _, p in managed.values()]}]
+        self._group_of: dict[int, int] = {}
+        out = []
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                if id(p) not in managed:
+                    raise ValueError(
+                        f"param group {gi} holds a param (shape {tuple(p.shape)}) that is not in this optimizer's "
+                        f"buffers: it has requires_grad=False, belongs to no model chunk, or is "
+                        f"{'dense' if self.is_expert_parallel else 'expert-parallel'}."
+                    )
+                if id(p) in self._group_of:
+                    raise ValueError(f"a param (shape {tuple(p.shape)}) appears in param groups {self._group_of[id(p)]} and {gi}.")
+                self._group_of[id(p)] = gi
+            options = {k: v for k, v in group.items() if k != "params"}
+            options.setdefault("lr", lr)
+            options.setdefault("weight_decay", weight_decay * options.get("wd_mult", 1.0))
+            out.append({"params": [], **options})
+        missing = [name for pid, (name, _) in managed.items() if pid not in self._group_of]
+        if missing:
+            raise ValueError(f"params missing from every param group: {missing[:5]}; give every trainable param a group.")
+        return out
+
+    def _build_shards(self, tp_rank: int) -> list[ShardState]:
+        shards = []
+        for source, shard in self._shards_in:
+            if not shard.pieces:
+                continue
+            params = [shard.params[pc.param_index] for pc in shard.pieces]
+            table = PieceTable(
+                starts=tuple(pc.shard_range.start for pc in shard.pieces),
+                ends=tuple(pc.shard_range.end for pc in shard.pieces),
+                in_norm=tuple(counts_in_norm(p, tp_rank) for p in params),
+                group=tuple(self._group_of[id(p)] for p in params),
+                numel=shard.numel,
+            )
+            if shard.param.dtype == torch.float32:
+                master, param_out = shard.param.detach(), None  # alias: updates land in the model
+            else:
+                master, param_out = shard.param.detach().to(torch.float32, copy=True), shard.param
+            mains = []
+            for pc, p in zip(shard.pieces, params):
+                main = master[pc.shard_range.start : pc.shard_range.end]  # a leaf: master has no autograd history
+                for attr in _PARALLEL_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                p.main_param, p.main_param_sharded = main, True
+                self.param_groups[self._group_of[id(p)]]["params"].append(main)
+                mains.append(main)
+            shards.append(ShardState(shard, source, table, master, param_out, self.rule.init_state(master),
+                                     tuple(mains)))
+        owned = {id(s.shard.params[pc.param_index]) for s in shards for pc in s.shard.pieces}
+        for _, p in self._managed().values():
+            if id(p) not in owned:
+                p.main_param, p.main_param_sharded = None, True
+        return shards
+
+    # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
+    def stats_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
+        """The group whose ranks hold the other parts of these shards ([] when nothing is sharded;
+        [None] is the default group)."""
+        for _, shard in self._shards_in:
+            if shard.sharded:
+                return [shard.group]
+        return []
+
+    def has_shards(self) -> bool:
+        return bool(self._shards_in)
+
+    def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
+        """Pass 1 over every owned shard: stats += [non-finite, sum of squares, zeros]."""
+        self._inv_scale = {id(src): src.grad_scale_factor / loss_scale for src in self.sources}
+        for s in self.shards:
+            ops.grad_stats(s.shard.grad, s.table, self._inv_scale[id(s.source)], stats[: ops.NUM_STATS],
+                           count_zeros, backend=self.backend)
+
+    def apply_update(self, clip_coef: float) -> None:
+        """Pass 2 over every owned shard with the current param_groups' lr and weight decay."""
+        if not self.shards:
+            return
+        ops.advance_step(self.step, backend=self.backend)
+        lr = [float(g["lr"]) for g in self.param_groups]
+        wd = [float(g["weight_decay"]) for g in self.param_groups]
+        for s in self.shards:
+            self.rule.apply(s.shard.grad, s.master, s.state, s.param_out, s.table, lr=lr, weight_decay=wd,
+                            grad_scale=self._inv_scale[id(s.source)] * clip_coef, step=self.step,
+                            backend=self.backend)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        for source in self.sources:
+            if source.local_shards(self.is_expert_parallel):
+                source.start_param_sync(force_sync=force_sync, expert_parallel=self.is_expert_parallel)
+
+    def finish_param_sync(self) -> None:
+        for source in self.sources:
+            source.finish_param_sync()
+
+    def clear_model_grads(self, set_to_none: bool) -> None:
+        for _, p in self._managed().values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ----------------------------------------------------------------- accessors
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's optimizer state (views, not copies): masters, rule state and the step counter."""
+        out = {"step": self.step}
+        for i, s in enumerate(self.shards):
+            out[f"shard{i}.master"] = s.master
+            for name, t in s.state.items():
+                out[f"shard{i}.{name}"] = t
+        return out
+
+    def per_param_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per main param: views of the flat optimizer state, as torch.optim exposes it."""
+        out = {}
+        for s in self.shards:
+            for main, start, end in zip(s.main_params, s.table.starts, s.table.ends):
+                entry: dict[str, Any] = {"step": self.step}
+                entry.update({name: t[start:end] for name, t in s.state.items()})
+                out[main] = entry
+        return out
+
+    def gather_main_params(self) -> dict[str, torch.Tensor]:
+        """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
+        masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): s.master for s in self.shards}
+
+        def master_of(src: GradSource, shard: LocalShard) -> torch.Tensor:
+            key = (id(src), shard.buffer_index, shard.bucket_index)
+            return masters.get(key, torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device))
+
+        out: dict[str, torch.Tensor] = {}
+        for src in self.sources:
+            out.update(assemble_full_tensors(src.local_shards(self.is_expert_parallel),
+                                             lambda shard, src=src: master_of(src, shard)))
+        return out
+
+    def reload_model_params(self) -> None:
+        """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters."""
+        for s in self.shards:
+            if s.param_out is not None:
+                s.master.copy_(s.param_out)
+
+    # ----------------------------------------------------------------- state dict (same DP size)
+    def fingerprint(self) -> dict:
+        return {
+            "optimizer": self.rule.name,
+            "shards": [
+                {
+                    "param_dtype": str(s.shard.param.dtype),
+                    "grad_dtype": str(s.shard.grad.dtype),
+                    "bucket_params": [tuple(p.shape) for p in s.shard.params.values()],
+                    "shard_count": s.shard.shard_count,
+                    "rank": s.shard.rank,
+                    "numel": s.table.numel,
+                }
+                for s in self.shards
+            ],
+        }
+
+    def state_dict(self) -> dict:
+        return {
+            "fingerprint": self.fingerprint(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "step": int(self.step.item()),
+            "shards": [{"master": s.master.detach().cpu().clone(),
+                        **{k: v.detach().cpu().clone() for k, v in s.state.items()}} for s in self.shards],
+        }
+
+    def check_loadable(self, state_dict: dict, fix: str) -> None:
+        mine, theirs = self.fingerprint(), state_dict["fingerprint"]
+        if mine["optimizer"] != theirs["optimizer"]:
+            raise ValueError(f"state_dict is for optimizer '{theirs['optimizer']}', this one is "
+                             f"'{mine['optimizer']}'. {fix}")
+        if len(mine["shards"]) != len(theirs["shards"]):
+            raise ValueError(f"state_dict has {len(theirs['shards'])} shards on this rank, this optimizer has "
+                             f"{len(mine['shards'])}: the model or the data-parallel size differs. {fix}")
+        for i, (a, b) in enumerate(zip(mine["shards"], theirs["shards"])):
+            for key in a:
+                if a[key] != b[key]:
+                    raise ValueError(f"state_dict does not match this optimizer: shard {i} {key} is {b[key]!r} in "
+                                     f"the checkpoint but {a[key]!r} here. {fix}")
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"state_dict has {len(state_dict['param_groups'])} param groups, this optimizer has "
+                             f"{len(self.param_groups)}. {fix}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the state (checked first by check_loadable); the caller then syncs params."""
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        self.step.fill_(int(state_dict["step"]))
+        for s, saved in zip(self.shards, state_dict["shards"]):
+            s.master.copy_(saved["master"])
+            for name, t in s.state.items():
+                t.copy_(saved[name])
+            if s.param_out is not None:
+                s.param_out.copy_(s.master)
+
+
+__all__ = ["ShardGroup", "ShardState", "counts_in_norm"]

@@ -1,0 +1,192 @@
+"""StepDriver: the one clock of an optimizer step, over any number of shard groups (leaves).
+
+    IDLE --prepare_grads()--> PREPARED --step_with_ready_grads()--> STEPPED | SKIPPED
+      ^                                                                   |
+      +---- DistributedDataParallel.zero_grad_buffer() (a new step_id) or optimizer.zero_grad()
+
+The state is tied to the model chunks' ``step_id``: once any chunk starts a new step, the driver
+reads IDLE again, so there is one clock, not two. prepare_grads() finishes the gradient sync, runs
+pass 1 on every leaf, reduces the packed statistics with one all-reduce per group and one host
+read, and updates the loss scaler once (docs/contract.md rules 1-3). step() runs the whole
+sequence once and returns (success, grad_norm, num_zeros). The driver owns the skip log.
+
+Leaves implement (see ShardGroup): ``sources``, ``accumulate_local_stats(stats, loss_scale,
+count_zeros)``, ``apply_update(clip_coef)``, ``start_param_sync()``, ``clear_model_grads(set_to_none)``.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+from torch.profiler import record_function
+
+from ..distributed.shard_view import GradSource
+from ..errors import StepOrderError
+from . import stats as grad_stats
+from .grad_scaler import DynamicGradScaler, MegatronGradScaler
+
+logger = logging.getLogger("megatron_opt")
+
+
+class StepState(enum.Enum):
+    IDLE = "idle"
+    PREPARED = "prepared"
+    STEPPED = "stepped"
+    SKIPPED = "skipped"
+
+
+class SkipReason(str, enum.Enum):
+    OVERFLOW = "overflow"  # non-finite grads with a dynamic loss scaler
+    NON_FINITE = "non-finite"  # non-finite grads without a dynamic scaler (bf16 / fp32 / constant scale)
+    NORM_OVER_THRESHOLD = "norm over threshold"
+
+
+class Leaf(Protocol):
+    sources: list[GradSource]
+
+    def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None: ...
+
+    def apply_update(self, clip_coef: float) -> None: ...
+
+    def start_param_sync(self, force_sync: bool = False) -> None: ...
+
+    def clear_model_grads(self, set_to_none: bool) -> None: ...
+
+
+class StepDriver:
+    """Runs the step over ``leaves``; every statistic is reduced over ``stats_groups`` in turn."""
+
+    def __init__(self, leaves: Sequence[Leaf], config: Any, grad_scaler: Optional[MegatronGradScaler],
+                 stats_groups: Sequence[Optional[torch.distributed.ProcessGroup]], device: torch.device) -> None:
+        self.leaves = list(leaves)
+        self.config = config
+        self.grad_scaler = grad_scaler
+        self.stats_groups = list(stats_groups)
+        self.sources: list[GradSource] = []
+        for leaf in self.leaves:
+            for src in leaf.sources:
+                if all(src is not seen for seen in self.sources):
+                    self.sources.append(src)
+        self._state = StepState.IDLE
+        self._prepared_ids: Optional[tuple] = None
+        self._stats: Optional[grad_stats.GradStats] = None
+        self._clip_coef = 1.0
+        self._one = torch.ones(1, dtype=torch.float32, device=device)
+        self.skipped_steps = 0
+        self.last_skip_reason: Optional[SkipReason] = None
+
+    def _step_ids(self) -> tuple:
+        return tuple(src.step_id for src in self.sources)
+
+    @property
+    def state(self) -> StepState:
+        if self._prepared_ids is None or self._prepared_ids != self._step_ids():
+            return StepState.IDLE
+        return self._state
+
+    # ----------------------------------------------------------------- loss scale
+    def get_loss_scale(self) -> torch.Tensor:
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._one
+
+    # ----------------------------------------------------------------- the split API
+    def prepare_grads(self) -> bool:
+        """Pass 1 and the global decision. Returns found_inf (True: this step must be skipped)."""
+        if self.state is not StepState.IDLE:
+            raise StepOrderError(
+                "prepare_grads() already ran for this step (rule 1 of docs/contract.md: gradients are prepared "
+                "exactly once per step, and step() calls prepare_grads() itself). Do not call prepare_grads() "
+                "before step(); start the next step with zero_grad_buffer() and a backward."
+            )
+        with record_function("megatron_opt.finish_grad_sync"):
+            for src in self.sources:
+                src.finish_grad_sync()
+        stats = grad_stats.new_stats(self._one.device)
+        with record_function("megatron_opt.pass1"):
+            loss_scale = self.get_loss_scale()
+            for leaf in self.leaves:
+                leaf.accumulate_local_stats(stats, loss_scale, bool(self.config.log_num_zeros_in_grad))
+        if all(src.grads_received == 0 for src in self.sources):
+            stats[grad_stats.STAT_MISSING_BACKWARD] = 1
+        with record_function("megatron_opt.stats_allreduce"):
+            grad_stats.reduce_stats(stats, self.stats_groups)
+            result = grad_stats.GradStats.from_tensor(stats)
+        if result.missing_backward:
+            raise StepOrderError(
+                f"step() was called on {result.missing_backward} rank(s) with no gradient since "
+                f"zero_grad_buffer(): run the forward and backward of the step's micro-batches first."
+            )
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(result.found_inf)  # once per step, after the global decision
+        self._stats = result
+        self._clip_coef = 1.0
+        self._state = StepState.PREPARED
+        self._prepared_ids = self._step_ids()
+        return result.found_inf
+
+    def _require_prepared(self, what: str) -> grad_stats.GradStats:
+        if self.state is not StepState.PREPARED or self._stats is None:
+            raise StepOrderError(f"{what} needs prepare_grads() first in this step (state: {self.state.value}).")
+        return self._stats
+
+    def get_grad_norm(self) -> float:
+        return self._require_prepared("get_grad_norm()").grad_norm
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = self._require_prepared("clip_grad_norm()").grad_norm
+        coef = clip_grad / (norm + 1.0e-6)
+        self._clip_coef = coef if coef < 1.0 else 1.0
+        return norm
+
+    def count_zeros(self) -> Optional[int]:
+        stats = self._require_prepared("count_zeros()")
+        return stats.num_zeros if self.config.log_num_zeros_in_grad else None
+
+    def step_with_ready_grads(self) -> bool:
+        stats = self._require_prepared("step_with_ready_grads()")
+        if stats.found_inf:
+            self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler) else SkipReason.NON_FINITE)
+            return False
+        with record_function("megatron_opt.pass2"):
+            for leaf in self.leaves:
+                leaf.apply_update(self._clip_coef)
+        with record_function("megatron_opt.param_sync"):
+            for leaf in self.leaves:
+                leaf.start_param_sync()
+        self._state = StepState.STEPPED
+        return True
+
+    def step(self) -> tuple[bool, Optional[float], Optional[int]]:
+        found_inf = self.prepare_grads()
+        if found_inf:
+            return self.step_with_ready_grads(), None, None
+        grad_norm = self.get_grad_norm()
+        if self.config.clip_grad > 0.0:
+            self.clip_grad_norm(self.config.clip_grad)
+        threshold = self.config.grad_norm_skip_threshold
+        if threshold is not None and grad_norm > threshold:
+            self._skip(SkipReason.NORM_OVER_THRESHOLD, f" (norm {grad_norm:.4g} > {threshold:.4g})")
+            return False, None, None
+        num_zeros = self.count_zeros()
+        success = self.step_with_ready_grads()
+        return success, grad_norm, num_zeros
+
+    def _skip(self, reason: SkipReason, detail: str = "") -> None:
+        self._state = StepState.SKIPPED
+        self.skipped_steps += 1
+        self.last_skip_reason = reason
+        scale = f"; loss scale is now {self.get_loss_scale().item():g}" if self.grad_scaler is not None else ""
+        logger.warning("megatron_opt: step skipped: %s%s%s (skipped steps so far: %d)",
+                       reason.value, detail, scale, self.skipped_steps)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear model-param .grad (the DDP buffer is zeroed by zero_grad_buffer()) and start a new step."""
+        for leaf in self.leaves:
+            leaf.clear_model_grads(set_to_none)
+        self._state = StepState.IDLE
+        self._prepared_ids = None
+        self._stats = None
+
+
+__all__ = ["StepDriver", "StepState", "SkipReason", "Leaf"]

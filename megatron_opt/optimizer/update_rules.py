@@ -1,0 +1,110 @@
+"""Update rules: what pass 2 does to a master shard, one class each.
+
+A rule declares its state tensors and their dtypes, allocates them for a shard, and dispatches
+pass 2 to ``megatron_opt.ops`` (reference, CPU or CUDA, by the backend it is given). Adding a rule
+is one class here plus its op in ``ops.reference`` / ``ops.cpu`` / ``ops.cuda``; everything that
+walks optimizer state (skips, state dicts, checkpoints) reads ``state_dtypes`` and needs no change.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar, Mapping, Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..ops.piece_table import PieceTable
+
+
+class UpdateRule(abc.ABC):
+    """One optimizer's update on a flat fp32 master shard."""
+
+    name: ClassVar[str]  # OptimizerConfig.optimizer value
+
+    @abc.abstractmethod
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        """The state tensors this rule keeps per owned element, by name, with their dtypes."""
+
+    def init_state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero-initialised state for one shard (what torch.optim's lazy init produces)."""
+        return {n: torch.zeros(master.shape, dtype=d, device=master.device) for n, d in self.state_dtypes().items()}
+
+    @abc.abstractmethod
+    def apply(self, grad: torch.Tensor, master: torch.Tensor, state: Mapping[str, torch.Tensor],
+              param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
+              weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor,
+              backend: ops.Backend) -> None:
+        """Pass 2 over one shard. ``step`` is the 1-based index of this update (already advanced)."""
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The rule's constants (recorded in state dicts, so a mismatch on load is caught)."""
+        return asdict(self)  # type: ignore[call-overload]
+
+
+@dataclass(frozen=True)
+class AdamW(UpdateRule):
+    """torch.optim.AdamW's formula (decoupled weight decay); Megatron-LM's optimizer='adam'."""
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    name: ClassVar[str] = "adam"
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        return {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+
+    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
+        ops.adamw_step(grad, master, state["exp_avg"], state["exp_avg_sq"], param_out, table, lr=lr,
+                       weight_decay=weight_decay, grad_scale=grad_scale, step=step, beta1=self.beta1,
+                       beta2=self.beta2, eps=self.eps, backend=backend)
+
+
+@dataclass(frozen=True)
+class SGD(UpdateRule):
+    """torch.optim.SGD's formula (L2 weight decay, dampening 0); no state without momentum."""
+
+    momentum: float = 0.9
+    nesterov: bool = False
+    name: ClassVar[str] = "sgd"
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}
+
+    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
+        ops.sgd_step(grad, master, state.get("momentum_buffer"), param_out, table, lr=lr,
+                     weight_decay=weight_decay, grad_scale=grad_scale, momentum=self.momentum,
+                     nesterov=self.nesterov, backend=backend)
+
+
+@dataclass(frozen=True)
+class Lion(UpdateRule):
+    """Lion (Chen et al., 2023): the sign of an interpolated momentum, decoupled weight decay."""
+
+    beta1: float = 0.9
+    beta2: float = 0.99
+    name: ClassVar[str] = "lion"
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        return {"exp_avg": torch.float32}
+
+    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
+        ops.lion_step(grad, master, state["exp_avg"], param_out, table, lr=lr, weight_decay=weight_decay,
+                      grad_scale=grad_scale, beta1=self.beta1, beta2=self.beta2, backend=backend)
+
+
+UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}
+
+
+def update_rule_from_config(config: Any) -> UpdateRule:
+    """The rule an OptimizerConfig asks for, with its hyperparameters."""
+    if config.optimizer == "adam":
+        return AdamW(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps)
+    if config.optimizer == "sgd":
+        return SGD(momentum=config.sgd_momentum)
+    if config.optimizer == "lion":
+        return Lion(beta1=config.lion_beta1, beta2=config.lion_beta2)
+    raise ValueError(f"no update rule named {config.optimizer!r}; known: {sorted(UPDATE_RULES)}.")
+
+
+__all__ = ["UpdateRule", "AdamW", "SGD", "Lion", "UPDATE_RULES", "update_rule_from_config"]
