@@ -1,6 +1,6 @@
 """train_step: one optimizer step over a list of micro-batches, with exact loss normalisation.
 
-Normalisation happens exactly once (CONTRACT rules 10-12): every micro-batch backpropagates its
+Normalisation happens exactly once (rules 10-12 of docs/contract.md): every micro-batch backpropagates its
 *unnormalised* loss (times the loss scale), the buckets are reduced with SUM, and the step's
 denominator goes into the DDP's ``grad_scale_factor``, which the optimizer folds into the single
 unscale scalar of its two passes, ``inv_scale = grad_scale_factor / loss_scale``. There is no pass
@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .distributed import collectives
+from . import collectives
 from .distributed.ddp import DistributedDataParallel
 
 logger = logging.getLogger("megatron_opt")
@@ -36,7 +36,7 @@ LOSS_MODES = ("per_token", "mean")
 
 @dataclass
 class TrainStepResult:
-    loss: float  # main loss / denominator, identical on every rank (CONTRACT rule 15)
+    loss: float  # main loss / denominator, identical on every rank (rule 15 of docs/contract.md)
     success: bool
     grad_norm: Optional[float]  # unscaled global norm before clipping; None on a skipped step
     num_zeros: Optional[int]

@@ -10,12 +10,12 @@ from typing import Optional
 
 import torch
 
-from . import collectives
+from .. import collectives
 from .layout import BufferLayout, Range
 
 
 class LateGradientError(RuntimeError):
-    """A gradient arrived for a param whose bucket was already reduced (CONTRACT rule 7)."""
+    """A gradient arrived for a param whose bucket was already reduced (rule 7 of docs/contract.md)."""
 
 
 class Bucket:

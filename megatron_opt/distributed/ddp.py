@@ -13,7 +13,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from ..config import DistributedDataParallelConfig
-from . import collectives
+from .. import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
 from .layout import build_buffer_layout
 from .shard_view import LocalShard
@@ -176,7 +176,7 @@ class DistributedDataParallel(torch.nn.Module):
         if bucket.launched:
             raise LateGradientError(
                 f"gradient for param '{buf.name_of(param)}' arrived after its bucket {bucket.index} was "
-                f"launched for reduction, so it would be lost (CONTRACT rule 7). Flush deferred weight "
+                f"launched for reduction, so it would be lost (rule 7 of docs/contract.md). Flush deferred weight "
                 f"gradients before finish_grad_sync(), and call zero_grad_buffer() before a new step's backward."
             )
         param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced

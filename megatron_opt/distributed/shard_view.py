@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from . import collectives
+from .. import collectives
 from .layout import ShardPiece
 
 
@@ -64,9 +64,12 @@ class GradSource(Protocol):
     * ``grads_received``: gradients accumulated since ``zero_grad_buffer()`` (0: no backward ran).
     * ``start_param_sync(force_sync=..., expert_parallel=...)`` / ``finish_param_sync()``: all-gather
       the updated param shards (async with overlap_param_gather).
+    * ``ddp_config``: the DistributedDataParallelConfig it was built with (the optimizer checks that
+      both sides agree on use_distributed_optimizer).
     """
 
     grad_scale_factor: torch.Tensor
+    ddp_config: Any
 
     @property
     def step_id(self) -> int: ...

@@ -6,8 +6,8 @@ ImportError when the extension was not built (``megatron_opt.ops`` then falls ba
 Nothing here synchronises with the host: every per-step scalar (inv_scale, grad_scale, step,
 found_inf) stays on the device, and the per-group ``lr``/``weight_decay`` lists travel in the kernel
 arguments (up to 64 groups; more are uploaded, which is not CUDA-graph capturable). Unlike the
-reference, ``adamw_step``/``sgd_step`` read ``found_inf`` on the device: when it is nonzero the
-kernel writes nothing.
+reference, the pass-2 ops (``adamw_step``, ``sgd_step``, ``lion_step``) read ``found_inf`` on the
+device: when it is nonzero the kernel writes nothing.
 
 Shapes: every flat tensor (grad, main_grad, master, moments, param_out) is 1-D, contiguous, on the
 same CUDA device, with at least ``table.numel`` elements; the table's coordinates index them directly.
@@ -249,4 +249,44 @@ def sgd_step(
     )
 
 
-__all__ = ["grad_stats", "copy_grads_to_main", "advance_step", "adamw_step", "sgd_step"]
+def lion_step(
+    grad: torch.Tensor,
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    param_out: Optional[torch.Tensor],
+    table: PieceTable,
+    *,
+    lr: Sequence[float],
+    weight_decay: Sequence[float],
+    grad_scale: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    op = "lion_step"
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_flat(op, "master", master, device, (torch.float32,), table)
+    _check_flat(op, "exp_avg", exp_avg, device, (torch.float32,), table)
+    if param_out is not None:
+        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
+    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+    _check_no_overlap(
+        op,
+        {"grad": grad, "master": master, "exp_avg": exp_avg, "param_out": param_out},
+        allow_same=[("master", "param_out")],
+    )
+    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
+    span = table.span()
+    if span is None:
+        return
+    d = table.device_tensors(device)
+    _C.lion_step(
+        grad, master, exp_avg, param_out, d["bounds"], d["group"], span[0], span[1],
+        lr_l, wd_l, grad_scale, float(beta1), float(beta2), found_inf,
+    )
+
+
+__all__ = ["grad_stats", "copy_grads_to_main", "advance_step", "adamw_step", "sgd_step", "lion_step"]

@@ -7,7 +7,7 @@ import torch
 
 from ..config import OptimizerConfig
 from ..errors import InvalidConfigError
-from ..distributed.ddp import DistributedDataParallel
+from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -19,8 +19,13 @@ def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.ndim == 1
 
 
+def _named_trainable(chunk: GradSource) -> list[tuple[str, torch.nn.Parameter]]:
+    """The chunk's trainable params by name, in buffer order (the same on every rank)."""
+    return [(shard.names[i], shard.params[i]) for shard in chunk.local_shards() for i in sorted(shard.params)]
+
+
 def get_param_groups(
-    model_chunks: Sequence[DistributedDataParallel],
+    model_chunks: Sequence[GradSource],
     config: OptimizerConfig,
     no_weight_decay_cond: Optional[ParamCond] = None,
     scale_lr_cond: Optional[ParamCond] = None,
@@ -34,9 +39,7 @@ def get_param_groups(
     no_wd = no_weight_decay_cond or _default_no_weight_decay
     keyed: dict[tuple, list] = {}
     for chunk in model_chunks:
-        for name, p in chunk.module.named_parameters():
-            if not p.requires_grad:
-                continue
+        for name, p in _named_trainable(chunk):
             key = (
                 0.0 if no_wd(name, p) else 1.0,
                 lr_mult if (scale_lr_cond is not None and scale_lr_cond(name, p)) else 1.0,
@@ -80,7 +83,7 @@ def build_grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional
 
 def get_megatron_optimizer(
     config: OptimizerConfig,
-    model_chunks: Union[DistributedDataParallel, Sequence[DistributedDataParallel]],
+    model_chunks: Union[GradSource, Sequence[GradSource]],
     no_weight_decay_cond: Optional[ParamCond] = None,
     scale_lr_cond: Optional[ParamCond] = None,
     lr_mult: float = 1.0,
@@ -90,9 +93,10 @@ def get_megatron_optimizer(
 ) -> Union[DistributedOptimizer, ChainedOptimizer]:
     """A DistributedOptimizer over the dense buffers; a ChainedOptimizer (dense + expert) when
     expert-parallel params (``param.allreduce == False``) exist."""
-    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    single = isinstance(model_chunks, (GradSource, torch.nn.Module))
+    chunks = [model_chunks] if single else list(model_chunks)
     for chunk in chunks:
-        if not isinstance(chunk, DistributedDataParallel):
+        if not isinstance(chunk, GradSource):
             raise TypeError(f"get_megatron_optimizer needs megatron_opt.DistributedDataParallel chunks, got "
                             f"{type(chunk).__name__}; wrap the model first.")
         if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:

@@ -1,7 +1,7 @@
 """Loss scalers with Megatron-LM's semantics, on any device.
 
 ``update(found_inf)`` is called exactly once per optimizer step, after the global overflow decision
-(CONTRACT rule 2); growth and backoff therefore count optimizer steps.
+(rule 2 of docs/contract.md); growth and backoff therefore count optimizer steps.
 """
 from __future__ import annotations
 

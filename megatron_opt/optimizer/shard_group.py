@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from .. import ops
+from .. import collectives, ops
 from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
 from ..ops.piece_table import PieceTable
 from .update_rules import UpdateRule
@@ -42,8 +42,6 @@ class ShardState:
 
 
 def _tp_rank(group: Optional[torch.distributed.ProcessGroup]) -> int:
-    from ..distributed import collectives
-
     return collectives.rank(group) if group is not None else 0
 
 

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..distributed import collectives
+from .. import collectives
 from ..ops import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 
 STAT_MISSING_BACKWARD = NUM_STATS  # ranks that reached step() with no gradient since zero_grad_buffer()

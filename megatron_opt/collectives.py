@@ -1,6 +1,6 @@
 """Thin wrappers over torch.distributed: one dtype per call, world size 1 short-circuits, gloo fallbacks.
 
-Every collective megatron_opt issues goes through here, so the dtype rule (CONTRACT rule 7) is
+Every collective megatron_opt issues goes through here, so the dtype rule (rule 7 of docs/contract.md) is
 checked in one place and tests can observe the traffic by wrapping these functions.
 """
 from __future__ import annotations
