@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from common import (TinyLM, assert_identical_across_ranks, build, cosine_diff, flat_params, fp64_copy,
-                    full_main_params, global_batch, microbatch_contexts, rank_microbatches, reference_adamw,
+                    full_main_params, global_batch, microbatch_contexts, rank_microbatches, reference_optimizer,
                     rel_l2, token_loss_sum)
 
 PRECISIONS = {
@@ -22,10 +22,10 @@ class MasterWeightReference:
     same dtype for forward/backward (so both sides see the same rounding of activations), gradients
     summed in fp64, and AdamW on fp64 master weights copied back into the model after each step."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float) -> None:
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, optimizer: str = "adam") -> None:
         self.masters = fp64_copy(model)
         self.compute = self.masters if model.out.weight.dtype == torch.float32 else copy.deepcopy(model)
-        self.opt = reference_adamw(self.masters, lr, weight_decay)
+        self.opt = reference_optimizer(optimizer, self.masters, lr, weight_decay)
 
     def step(self, batches: list, clip_grad: float, world: int, loss_mult: float = 1.0) -> float:
         """Same objective and the same split as the ranks: each micro-batch backpropagates its mean / GA
@@ -54,7 +54,8 @@ class MasterWeightReference:
 
 
 def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad: float = 1.0,
-               lr: float = 1e-2, weight_decay: float = 0.1, loss_mult: float = 1.0, distributed: bool = True) -> dict:
+               lr: float = 1e-2, weight_decay: float = 0.1, loss_mult: float = 1.0, distributed: bool = True,
+               optimizer: str = "adam") -> dict:
     """Train TinyLM for ``steps`` steps on DP ranks x ``ga`` micro-batches and compare with fp64 AdamW.
 
     Each micro-batch loss is its token mean; every micro-batch has the same token count, so the
@@ -63,9 +64,9 @@ def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = PRECISIONS[precision]
     model = TinyLM(spec["dtype"])
-    ref = MasterWeightReference(model, lr, weight_decay)
+    ref = MasterWeightReference(model, lr, weight_decay, optimizer)
     ddp, opt = build(model, distributed=distributed, overlap_grad=overlap, overlap_param=overlap, bucket_size=300 if overlap else None,
-                     lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, **spec["opt"])
+                     lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, optimizer=optimizer, **spec["opt"])
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
     norms = []
     for step in range(steps):

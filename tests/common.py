@@ -89,6 +89,36 @@ def reference_adamw(model: torch.nn.Module, lr: float, weight_decay: float, beta
                               {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps)
 
 
+class ReferenceLion(torch.optim.Optimizer):
+    """Lion (Chen et al., 2023) written out per param, for float64 references: c = b1*m + (1-b1)*g,
+    w = w*(1 - lr*wd) - lr*sign(c), m = b2*m + (1-b2)*g."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                direction = (m * beta1 + p.grad * (1 - beta1)).sign()
+                p.mul_(1 - group["lr"] * group["weight_decay"]).sub_(direction * group["lr"])
+                m.mul_(beta2).add_(p.grad * (1 - beta2))
+
+
+def reference_optimizer(kind: str, model: torch.nn.Module, lr: float, weight_decay: float):
+    """torch AdamW or ReferenceLion with Megatron's default groups (no decay on biases and 1-D params)."""
+    if kind == "adam":
+        return reference_adamw(model, lr, weight_decay)
+    decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+    return ReferenceLion([{"params": decay, "weight_decay": weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
 def fp64_copy(model: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(model)
     for p in ref.parameters():
