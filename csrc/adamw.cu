@@ -1,53 +1,12 @@
-// Pass 2: the optimizer update over the pieces of one flat shard.
+// Pass 2, AdamW: torch.optim.AdamW's formula on the fp32 master (decoupled weight decay), fp32
+// moments, optional write of the rounded master into param_out (model dtype).
 //
-//   adamw: torch.optim.AdamW's formula on the fp32 master (decoupled weight decay), fp32 moments,
-//          optional write of the rounded master into param_out (model dtype).
-//   sgd:   torch.optim.SGD's formula (L2 weight decay, dampening 0, optional Nesterov).
-//
-// Only piece elements are touched; padding gaps between pieces are never written.
-// Per-step scalars (grad_scale, step, found_inf) are read from device memory. If found_inf is given
-// and nonzero (NaN counts as nonzero), every block returns before touching memory, so all state is
-// left bitwise unchanged. lr and weight decay are per param group: up to kMaxInlineGroups groups
-// travel by value in the kernel arguments (no copy to the device, CUDA-graph capturable), more are
-// uploaded to a small float64 device tensor.
-//
-// The fp32 arithmetic mirrors the reference's sequence of torch ops, each rounded once (explicit
-// __f*_rn intrinsics keep nvcc from fusing them), so results track ops.reference closely.
-#include "common.cuh"
+// Piece walking, found_inf skip, per-group lr/wd and the dtype dispatch: see pass2.cuh.
 #include "launch.h"
-
-#include <optional>
-#include <utility>
-#include <vector>
+#include "pass2.cuh"
 
 namespace megatron_opt {
 namespace {
-
-constexpr int kMaxInlineGroups = 64;
-
-struct GroupParams {
-  double lr[kMaxInlineGroups];
-  double wd[kMaxInlineGroups];
-};
-
-struct GroupSource {
-  GroupParams inline_params;
-  const double* device_params;  // [ngroups, 2] (lr, wd) or nullptr when inline
-  int ngroups;
-};
-
-__device__ __forceinline__ void group_lr_wd(const GroupSource& src, const int32_t* group, int64_t s, double& lr,
-                                            double& wd) {
-  int gid = group[s];
-  gid = gid < 0 ? 0 : (gid >= src.ngroups ? src.ngroups - 1 : gid);  // the Python wrapper validates ids
-  if (src.device_params != nullptr) {
-    lr = src.device_params[2 * gid];
-    wd = src.device_params[2 * gid + 1];
-  } else {
-    lr = src.inline_params.lr[gid];
-    wd = src.inline_params.wd[gid];
-  }
-}
 
 // ------------------------------------------------------------------------------------------------
 // AdamW
@@ -163,136 +122,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ------------------------------------------------------------------------------------------------
-// SGD (momentum, Nesterov, L2 weight decay)
-// ------------------------------------------------------------------------------------------------
-struct SgdSegConsts {
-  float grad_scale;
-  float lr;         // (float)lr
-  float wd;         // (float)wd
-  bool has_wd;      // wd != 0
-  float momentum;   // (float)momentum
-  bool use_buf;     // momentum != 0 (the buffer is then given)
-  bool nesterov;
-};
-
-__device__ __forceinline__ void sgd_math(float graw, float& w, float& buf, const SgdSegConsts& k) {
-  float g = __fmul_rn(graw, k.grad_scale);
-  if (k.has_wd) g = fmaf(k.wd, w, g);  // g.add_(w, alpha=wd)
-  float dir = g;
-  if (k.use_buf) {
-    buf = __fadd_rn(__fmul_rn(buf, k.momentum), g);  // buf.mul_(momentum).add_(g)
-    dir = k.nesterov ? fmaf(k.momentum, buf, g) : buf;
-  }
-  w = fmaf(-k.lr, dir, w);  // w.sub_(dir, alpha=lr)
-}
-
-template <typename GT, typename PT>
-__device__ __forceinline__ void sgd_one(const typename GT::S* grad, float* master, float* momentum_buffer,
-                                        typename PT::S* param_out, int64_t i, const SgdSegConsts& k) {
-  float w = master[i];
-  float buf = k.use_buf ? momentum_buffer[i] : 0.0f;
-  sgd_math(GT::to_float(grad[i]), w, buf, k);
-  master[i] = w;
-  if (k.use_buf) momentum_buffer[i] = buf;
-  if (param_out != nullptr) param_out[i] = PT::from_float(w);
-}
-
-template <typename GT, typename PT, int VEC>
-__global__ void __launch_bounds__(kThreads)
-    sgd_kernel(const typename GT::S* grad, float* master, float* momentum_buffer, typename PT::S* param_out,
-               const int64_t* __restrict__ bounds, const int32_t* __restrict__ group, int64_t npiece,
-               const __grid_constant__ GroupSource groups, const float* __restrict__ grad_scale_ptr,
-               const float* __restrict__ found_inf_ptr, float momentum, bool nesterov, int64_t span_start,
-               int64_t span_end, int64_t aligned_base, int64_t chunk, int phase, bool vec_ok) {
-  using GS = typename GT::S;
-  using PS = typename PT::S;
-  if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;  // skipped step: write nothing
-  const BlockRange r = block_range(span_start, span_end, aligned_base, chunk);
-  if (r.lo >= r.hi) return;
-
-  SgdSegConsts k;
-  k.grad_scale = *grad_scale_ptr;
-  k.momentum = momentum;
-  k.use_buf = momentum_buffer != nullptr;  // the launcher passes a buffer only when momentum != 0
-  k.nesterov = nesterov;
-
-  for (int64_t s = first_piece_ending_after(bounds, npiece, r.lo); s < npiece; ++s) {
-    const int64_t seg_start = bounds[2 * s];
-    if (seg_start >= r.hi) break;
-    const int64_t a = max(seg_start, r.lo);
-    const int64_t e = min(bounds[2 * s + 1], r.hi);
-    double lr, wd;
-    group_lr_wd(groups, group, s, lr, wd);
-    k.lr = static_cast<float>(lr);
-    k.wd = static_cast<float>(wd);
-    k.has_wd = wd != 0.0;
-
-    if (vec_ok) {
-      const Split sp = split_range<VEC>(a, e, phase);
-      if (static_cast<int64_t>(threadIdx.x) < sp.head_end - a) {
-        sgd_one<GT, PT>(grad, master, momentum_buffer, param_out, a + threadIdx.x, k);
-      }
-      if (static_cast<int64_t>(threadIdx.x) < e - sp.body_end) {
-        sgd_one<GT, PT>(grad, master, momentum_buffer, param_out, sp.body_end + threadIdx.x, k);
-      }
-      for (int64_t v = threadIdx.x; v < sp.nvec; v += kThreads) {
-        const int64_t i = sp.head_end + v * VEC;
-        const Pack<GS, VEC> gp = load_pack<GS, VEC>(grad + i);
-        Pack<float, VEC> wp = load_pack<float, VEC>(master + i);
-        Pack<float, VEC> bp;
-        if (k.use_buf) {
-          bp = load_pack<float, VEC>(momentum_buffer + i);
-        } else {
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) bp.e[j] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) sgd_math(GT::to_float(gp.e[j]), wp.e[j], bp.e[j], k);
-        store_pack<float, VEC>(master + i, wp);
-        if (k.use_buf) store_pack<float, VEC>(momentum_buffer + i, bp);
-        if (param_out != nullptr) {
-          Pack<PS, VEC> pp;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) pp.e[j] = PT::from_float(wp.e[j]);
-          store_pack<PS, VEC>(param_out + i, pp);
-        }
-      }
-    } else {
-      for (int64_t i = a + threadIdx.x; i < e; i += kThreads) {
-        sgd_one<GT, PT>(grad, master, momentum_buffer, param_out, i, k);
-      }
-    }
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
 // Host side
 // ------------------------------------------------------------------------------------------------
-// Fills `src` (inline when it fits); `holder` keeps an uploaded table alive until after the launch.
-void prepare_groups(const std::vector<double>& lr, const std::vector<double>& wd, const at::Device& device,
-                    GroupSource& src, at::Tensor& holder) {
-  TORCH_CHECK(!lr.empty(), "lr must have one entry per param group");
-  TORCH_CHECK(lr.size() == wd.size(), "lr and weight_decay must have the same length, got ", lr.size(), " and ",
-              wd.size());
-  TORCH_CHECK(lr.size() <= static_cast<size_t>(INT32_MAX), "too many param groups");
-  src.ngroups = static_cast<int>(lr.size());
-  src.device_params = nullptr;
-  for (int i = 0; i < kMaxInlineGroups; ++i) {
-    src.inline_params.lr[i] = i < src.ngroups ? lr[i] : 0.0;
-    src.inline_params.wd[i] = i < src.ngroups ? wd[i] : 0.0;
-  }
-  if (src.ngroups > kMaxInlineGroups) {
-    at::Tensor host = at::empty({2 * static_cast<int64_t>(src.ngroups)}, at::TensorOptions().dtype(at::kDouble));
-    double* h = host.data_ptr<double>();
-    for (int i = 0; i < src.ngroups; ++i) {
-      h[2 * i] = lr[i];
-      h[2 * i + 1] = wd[i];
-    }
-    holder = host.to(device);  // synchronous copy from pageable memory (not capturable)
-    src.device_params = holder.data_ptr<double>();
-  }
-}
-
 template <typename GT, typename PT>
 void launch_adamw(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out, const at::Tensor& bounds,
@@ -327,117 +158,12 @@ void launch_adamw(const at::Tensor& grad, const at::Tensor& master, const at::Te
 }
 
 template <typename GT, typename PT>
-void launch_sgd(const at::Tensor& grad, const at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
-                const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
-                int64_t span_start, int64_t span_end, const GroupSource& groups, const at::Tensor& grad_scale,
-                double momentum, bool nesterov, const std::optional<at::Tensor>& found_inf) {
-  using GS = typename GT::S;
-  using PS = typename PT::S;
-  constexpr int VEC = 16 / static_cast<int>(sizeof(GS));
-  auto kernel = sgd_kernel<GT, PT, VEC>;
-  static const int blocks_per_sm = max_blocks_per_sm(kernel);
-
-  const GS* g = reinterpret_cast<const GS*>(grad.data_ptr());
-  float* w = master.data_ptr<float>();
-  float* b = (momentum != 0.0 && momentum_buffer.has_value()) ? momentum_buffer->data_ptr<float>() : nullptr;
-  PS* po = param_out.has_value() ? reinterpret_cast<PS*>(param_out->data_ptr()) : nullptr;
-  const int phase = common_phase(
-      {{g, static_cast<int64_t>(sizeof(GS))}, {w, 4}, {b, 4}, {po, static_cast<int64_t>(sizeof(PS))}}, VEC);
-  const LaunchPlan p = make_plan(span_start, span_end, phase, VEC, blocks_per_sm, static_cast<int64_t>(kThreads) * VEC);
-  const float* fi = found_inf.has_value() ? found_inf->data_ptr<float>() : nullptr;
-  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  kernel<<<p.grid, kThreads, 0, stream>>>(g, w, b, po, bounds.data_ptr<int64_t>(), group.data_ptr<int32_t>(),
-                                          bounds.size(0), groups, grad_scale.data_ptr<float>(), fi,
-                                          static_cast<float>(momentum), nesterov, span_start, span_end,
-                                          p.aligned_base, p.chunk, p.phase, p.vec_ok);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// Runs L<GT, PT>::run(args...) for the runtime grad / param_out dtypes. Without a param_out the
-// fp32 instantiation is used with a null pointer (the kernels test it at run time).
-template <template <typename, typename> class L, typename GT, typename... Args>
-void dispatch_param(std::optional<at::ScalarType> param_t, const char* op, Args&&... args) {
-  if (!param_t.has_value()) {
-    L<GT, F32>::run(std::forward<Args>(args)...);
-    return;
-  }
-  switch (*param_t) {
-    case at::kFloat:
-      L<GT, F32>::run(std::forward<Args>(args)...);
-      break;
-    case at::kBFloat16:
-      L<GT, BF16>::run(std::forward<Args>(args)...);
-      break;
-    case at::kHalf:
-      L<GT, F16>::run(std::forward<Args>(args)...);
-      break;
-    default:
-      TORCH_CHECK(false, op, ": param_out must be float32, bfloat16 or float16, got ", *param_t);
-  }
-}
-
-template <template <typename, typename> class L, typename... Args>
-void dispatch_grad_param(at::ScalarType grad_t, std::optional<at::ScalarType> param_t, const char* op,
-                         Args&&... args) {
-  switch (grad_t) {
-    case at::kFloat:
-      dispatch_param<L, F32>(param_t, op, std::forward<Args>(args)...);
-      break;
-    case at::kBFloat16:
-      dispatch_param<L, BF16>(param_t, op, std::forward<Args>(args)...);
-      break;
-    case at::kHalf:
-      dispatch_param<L, F16>(param_t, op, std::forward<Args>(args)...);
-      break;
-    default:
-      TORCH_CHECK(false, op, ": grad must be float32, bfloat16 or float16, got ", grad_t);
-  }
-}
-
-template <typename GT, typename PT>
 struct AdamwLauncher {
   template <typename... Args>
   static void run(Args&&... args) {
     launch_adamw<GT, PT>(std::forward<Args>(args)...);
   }
 };
-
-template <typename GT, typename PT>
-struct SgdLauncher {
-  template <typename... Args>
-  static void run(Args&&... args) {
-    launch_sgd<GT, PT>(std::forward<Args>(args)...);
-  }
-};
-
-void check_state(const at::Tensor& t, const char* name, const at::Device& device, int64_t span_end) {
-  check_cuda_tensor(t, name, device);
-  check_dtype(t, name, at::kFloat);
-  check_flat(t, name, span_end);
-}
-
-void check_common(const char* op, const at::Tensor& grad, const at::Tensor& master,
-                  const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
-                  int64_t span_start, int64_t span_end, const at::Tensor& grad_scale,
-                  const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(grad.is_cuda(), op, ": grad must be a CUDA tensor");
-  const at::Device device = grad.device();
-  check_cuda_tensor(grad, "grad", device);
-  TORCH_CHECK(is_grad_dtype(grad.scalar_type()), op, ": grad must be float32, bfloat16 or float16, got ",
-              grad.scalar_type());
-  TORCH_CHECK(0 <= span_start && span_start <= span_end, op, ": bad span [", span_start, ", ", span_end, ")");
-  check_flat(grad, "grad", span_end);
-  check_state(master, "master", device, span_end);
-  if (param_out.has_value()) {
-    check_cuda_tensor(*param_out, "param_out", device);
-    TORCH_CHECK(is_grad_dtype(param_out->scalar_type()), op,
-                ": param_out must be float32, bfloat16 or float16, got ", param_out->scalar_type());
-    check_flat(*param_out, "param_out", span_end);
-  }
-  check_table(bounds, group, "group", at::kInt, device);
-  check_scalar(grad_scale, "grad_scale", device, at::kFloat);
-  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device, at::kFloat);
-}
 
 }  // namespace
 
@@ -466,34 +192,9 @@ void adamw_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at:
   c.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   c.eps = static_cast<float>(eps);
 
-  std::optional<at::ScalarType> pt;
-  if (param_out.has_value()) pt = param_out->scalar_type();
-  dispatch_grad_param<AdamwLauncher>(grad.scalar_type(), pt, "adamw_step", grad, master, exp_avg, exp_avg_sq,
-                                     param_out, bounds, group, span_start, span_end, groups, grad_scale, step, c,
-                                     found_inf);
-}
-
-void sgd_step_cuda(const at::Tensor& grad, const at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
-                   const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
-                   int64_t span_start, int64_t span_end, const std::vector<double>& lr,
-                   const std::vector<double>& weight_decay, const at::Tensor& grad_scale, double momentum,
-                   bool nesterov, const std::optional<at::Tensor>& found_inf) {
-  check_common("sgd_step", grad, master, param_out, bounds, group, span_start, span_end, grad_scale, found_inf);
-  const at::Device device = grad.device();
-  TORCH_CHECK(momentum == 0.0 || momentum_buffer.has_value(), "sgd_step: momentum != 0 needs a momentum buffer");
-  if (momentum_buffer.has_value()) check_state(*momentum_buffer, "momentum_buffer", device, span_end);
-  if (span_start == span_end || bounds.size(0) == 0) return;
-
-  const c10::cuda::CUDAGuard guard(device);
-  GroupSource groups;
-  at::Tensor holder;
-  prepare_groups(lr, weight_decay, device, groups, holder);
-
-  std::optional<at::ScalarType> pt;
-  if (param_out.has_value()) pt = param_out->scalar_type();
-  dispatch_grad_param<SgdLauncher>(grad.scalar_type(), pt, "sgd_step", grad, master, momentum_buffer, param_out,
-                                   bounds, group, span_start, span_end, groups, grad_scale, momentum, nesterov,
-                                   found_inf);
+  dispatch_grad_param<AdamwLauncher>(grad.scalar_type(), param_dtype(param_out), "adamw_step", grad, master,
+                                     exp_avg, exp_avg_sq, param_out, bounds, group, span_start, span_end, groups,
+                                     grad_scale, step, c, found_inf);
 }
 
 }  // namespace megatron_opt

@@ -23,4 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("momentum_buffer"), py::arg("param_out"), py::arg("bounds"), py::arg("group"), py::arg("span_start"),
         py::arg("span_end"), py::arg("lr"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("momentum"),
         py::arg("nesterov"), py::arg("found_inf"));
+  m.def("lion_step", &megatron_opt::lion_step_cuda, "pass 2: Lion", py::arg("grad"), py::arg("master"),
+        py::arg("exp_avg"), py::arg("param_out"), py::arg("bounds"), py::arg("group"), py::arg("span_start"),
+        py::arg("span_end"), py::arg("lr"), py::arg("weight_decay"), py::arg("grad_scale"), py::arg("beta1"),
+        py::arg("beta2"), py::arg("found_inf"));
 }

@@ -38,4 +38,11 @@ void sgd_step_cuda(const at::Tensor& grad, const at::Tensor& master, const std::
                    const std::vector<double>& weight_decay, const at::Tensor& grad_scale, double momentum,
                    bool nesterov, const std::optional<at::Tensor>& found_inf);
 
+// One Lion step (decoupled weight decay) over the pieces; lr/weight_decay per group id.
+void lion_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+                    const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
+                    int64_t span_start, int64_t span_end, const std::vector<double>& lr,
+                    const std::vector<double>& weight_decay, const at::Tensor& grad_scale, double beta1, double beta2,
+                    const std::optional<at::Tensor>& found_inf);
+
 }  // namespace megatron_opt
