@@ -3,7 +3,8 @@
 Run (CPU/gloo, or one GPU per rank with NCCL when CUDA is available):
 
     torchrun --standalone --nproc_per_node=2 scripts/bench_step.py [--hidden 256 --layers 6 \
-        --tokens 256 --steps 30 --warmup 5 --dtype fp32|bf16 --torch-adamw default|foreach|fused]
+        --tokens 256 --steps 30 --warmup 5 --profile-steps 10 --dtype fp32|bf16 \
+        --torch-adamw default|foreach|fused]
 
 All implementations train the same model (a stack of pre-norm MLP blocks made of Linear layers), from
 the same initial weights, on the same per-rank batches, with the same AdamW hyperparameters, the same
@@ -33,6 +34,12 @@ rank, median over the timed steps, with a dist.barrier() before each timed secti
   iteration  wall time from the synchronised start of zero_grad to the end of the step, including the
              barrier before the step (so collectives left running asynchronously by backward are
              counted here even when they finish during that barrier).
+megatron_opt's step in phases: after the timed steps (and after the numerics and memory are taken, so
+the extra steps change neither), each megatron_opt variant runs ``--profile-steps`` more steps under
+torch.profiler (CPU activity, + CUDA on GPU). opt.step() marks its phases with record_function ranges
+(megatron_opt.finish_grad_sync, .pass1, .stats_allreduce, .pass2, .param_sync); the table gives each
+range's CPU time total / count from prof.key_averages(), next to the whole opt.step() under the
+profiler. The timed steps are never profiled.
 Memory per rank:
   model state  bytes of the distinct tensor storages each implementation holds after a step: params,
                grads / grad buffers, optimizer state (incl. fp32 masters). Divided by the global
@@ -63,6 +70,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile, record_function
 
 import megatron_opt as mo
 
@@ -218,10 +226,6 @@ class MegatronOpt(Variant):
         self.opt = mo.get_megatron_optimizer(opt_cfg, self.ddp)
         self.model = model
         self.in_dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.breakdown = args.mo_breakdown
-        self.clip = args.clip_grad
-        self.device = device
-        self.last_breakdown: Optional[tuple] = None
 
     def zero_grad(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -233,54 +237,21 @@ class MegatronOpt(Variant):
         return loss.detach()
 
     def step(self):
-        if self.breakdown:
-            return self._step_with_breakdown()
         success, grad_norm, _ = self.opt.step()
         if not success:
             raise RuntimeError(f"megatron_opt skipped a step ({self.opt.last_skip_reason})")
         return grad_norm
 
-    def _step_with_breakdown(self):
-        """The sequence opt.step() runs, through the public split API, with a timer between parts."""
-        t0 = time.perf_counter()
-        self.ddp.finish_grad_sync()  # opt.prepare_grads() calls it first; a second call is a no-op
-        sync(self.device)
-        t1 = time.perf_counter()
-        if self.opt.prepare_grads():
-            raise RuntimeError("megatron_opt found non-finite gradients")
-        grad_norm = self.opt.get_grad_norm()
-        if self.clip > 0:
-            self.opt.clip_grad_norm(self.clip)
-        sync(self.device)
-        t2 = time.perf_counter()
-        if not self.opt.step_with_ready_grads():
-            raise RuntimeError("megatron_opt skipped a step")
-        sync(self.device)
-        t3 = time.perf_counter()
-        self.last_breakdown = (t1 - t0, t2 - t1, t3 - t2)
-        return grad_norm
-
     def state_tensors(self):
         ts = [b.param_data for b in self.ddp.buffers] + [b.grad_data for b in self.ddp.buffers]
         ts += list(self.model.parameters()) + [p.grad for p in self.model.parameters()]
-        for s in getattr(self.opt, "_shards", []):  # private, but holds every shard tensor
-            ts += list(s.state_tensors().values())
+        ts += list(self.opt.local_state_tensors().values())  # masters, moments, step counter
         return ts
 
     def full_params(self):
-        """fp32 masters assembled from every rank's shards (for fp32 they alias the model params)."""
+        """fp32 masters assembled from every rank's shards (a collective; for fp32 they alias the params)."""
         self.ddp.finish_param_sync()
-        out = {}
-        for buf in self.ddp.buffers:
-            full = torch.zeros(buf.layout.numel, dtype=torch.float32, device=buf.grad_data.device)
-            for s in self.opt._shards:
-                if s.buffer is buf:
-                    r = buf.layout.buckets[s.bucket.index].shard_range(buf.rank, buf.shard_count)
-                    full[r.start : r.end] = s.master
-            dist.all_reduce(full, group=buf.group)
-            for name, p, rng in zip(buf.names, buf.params, buf.layout.param_ranges):
-                out[name] = full[rng.start : rng.end].view(p.shape).clone()
-        return out
+        return self.opt.gather_main_params()
 
     @torch.no_grad()
     def eval_loss(self, x, y):
@@ -396,6 +367,16 @@ def adamw_impl_kwargs(args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- driver
+STEP_RANGE = "bench_step.opt_step"  # the whole opt.step() in the profiled steps
+PHASES = (  # the record_function ranges opt.step() runs, in order, and what each covers
+    ("megatron_opt.finish_grad_sync", "finish_grad_sync (grad reduce-scatter, or the wait for it)"),
+    ("megatron_opt.pass1", "pass 1 (found-inf, sum of squares)"),
+    ("megatron_opt.stats_allreduce", "stats all-reduce (+ host read)"),
+    ("megatron_opt.pass2", "pass 2 (clip + AdamW)"),
+    ("megatron_opt.param_sync", "param sync (all-gather)"),
+)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -419,7 +400,6 @@ class Runner:
         self.it: list[float] = []
         self.losses: list[torch.Tensor] = []
         self.norms: list[float] = []
-        self.parts: list[tuple] = []
         self.peak = PeakMemory(device)
         self.peak.start()
         model = Net(args.hidden, args.layers).to(device)
@@ -427,7 +407,7 @@ class Runner:
         self.v = make(model)
         self.name = self.v.name
 
-    def iteration(self, x: torch.Tensor, y: torch.Tensor, timed: bool) -> None:
+    def iteration(self, x: torch.Tensor, y: torch.Tensor, timed: bool, profiled: bool = False) -> None:
         v, device = self.v, self.device
         dist.barrier()
         sync(device)
@@ -439,15 +419,16 @@ class Runner:
         dist.barrier()
         sync(device)
         t2 = time.perf_counter()
-        norm = v.step()
-        sync(device)
+        with record_function(STEP_RANGE) if profiled else contextlib.nullcontext():
+            norm = v.step()
+            sync(device)
         t3 = time.perf_counter()
+        if profiled:
+            return  # extra steps after the results were taken: they count in no table
         if timed:
             self.fb.append(t1 - t0)
             self.st.append(t3 - t2)
             self.it.append(t3 - t0)
-            if getattr(v, "last_breakdown", None) is not None:
-                self.parts.append(v.last_breakdown)
         self.losses.append(loss.float())
         self.norms.append(as_float(norm))
 
@@ -470,14 +451,35 @@ class Runner:
             iter=statistics.median(self.it), state_bytes=state_bytes, peak_delta=self.peak_delta,
             train_losses=train_losses.cpu(), eval_loss=float(ev), grad_norm=self.norms[-1], params=params,
             peak_reset_ok=self.peak_reset_ok,
-            parts=[statistics.median(p) for p in zip(*self.parts)] if self.parts else None,
         )
 
+    def profile_phases(self, batches) -> list[float]:
+        """Run ``batches`` as extra steps under torch.profiler; per step, the mean CPU time in seconds
+        of the whole opt.step() and of each of its megatron_opt.* phase ranges (key_averages():
+        CPU time total / count), in PHASES order after the whole step, then the rest (the whole step
+        minus the phases)."""
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        with profile(activities=activities) as prof:
+            for x, y in batches:
+                self.iteration(x, y, timed=False, profiled=True)
+        events = {e.key: e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
+        out = []
+        for key in (STEP_RANGE,) + tuple(key for key, _ in PHASES):
+            e = events.get(key)
+            if e is None or e.count != len(batches):
+                raise RuntimeError(f"profiler range {key!r}: expected {len(batches)} occurrences, found "
+                                   f"{0 if e is None else e.count}")
+            out.append(e.cpu_time_total / e.count / 1e6)  # microseconds -> seconds
+        return out + [out[0] - sum(out[1:])]
 
-def run_all(makers, init_state: dict, batches, eval_batch, args, device) -> dict:
+
+def run_all(makers, init_state: dict, batches, eval_batch, profile_batches, args, device) -> dict:
     """Build each implementation and run its warm-up steps in turn (its peak memory is measured over
     its construction and warm-up, while the others sit idle); then run the timed steps round-robin,
-    rotating the order every step, so that machine noise falls on every implementation alike."""
+    rotating the order every step, so that machine noise falls on every implementation alike. Once
+    every result is taken, each megatron_opt variant runs the profiled steps (its phase breakdown)."""
     runners = []
     for _, make in makers:
         r = Runner(make, init_state, args, device)
@@ -489,7 +491,11 @@ def run_all(makers, init_state: dict, batches, eval_batch, args, device) -> dict
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:
             r.iteration(x, y, timed=True)
-    return {r.name: r.result(eval_batch) for r in runners}
+    results = {r.name: r.result(eval_batch) for r in runners}
+    for r in runners:
+        results[r.name]["phases"] = (r.profile_phases(profile_batches)
+                                     if profile_batches and isinstance(r.v, MegatronOpt) else None)
+    return results
 
 
 def gather_max(values: list[float], device: torch.device) -> tuple[list[float], list[float]]:
@@ -566,16 +572,16 @@ def main() -> None:
                    help="implementation of torch AdamW for ZeRO and FSDP2 (default: torch's own choice)")
     p.add_argument("--mo-overlap", action="store_true",
                    help="also run megatron_opt with overlap_grad_reduce=True")
-    p.add_argument("--mo-breakdown", action="store_true",
-                   help="time megatron_opt's step in parts (grad sync | prepare_grads + clip | update + "
-                        "param all-gather) through the public split API, same sequence as opt.step()")
+    p.add_argument("--profile-steps", type=int, default=10,
+                   help="extra steps per megatron_opt variant, run under torch.profiler after the timed steps "
+                        "and the numerics, for the per-phase breakdown of opt.step() (0: no breakdown)")
     p.add_argument("--mo-overlap-bucket-size", type=int, default=None,
                    help="bucket size in elements for megatron_opt+overlap (default: Megatron's, "
                         "max(40M, 1M*DP), i.e. one bucket for the default model)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be at least 1")
+    if args.warmup < 1 or args.steps < 1 or args.profile_steps < 0:
+        p.error("--warmup and --steps must be at least 1, --profile-steps at least 0")
 
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -613,21 +619,22 @@ def main() -> None:
 
     batches = [make_batch() for _ in range(args.warmup + args.steps)]
     eval_batch = make_batch()
+    profile_batches = [make_batch() for _ in range(args.profile_steps)]
 
     makers: list[tuple[str, Callable]] = [("megatron_opt", lambda m: MegatronOpt(m, args, device, overlap=False))]
     if args.mo_overlap:
         makers.append(("megatron_opt+overlap", lambda m: MegatronOpt(m, args, device, overlap=True)))
     makers += [("ddp+zero", lambda m: DdpZero(m, args, device)), ("fsdp2", lambda m: Fsdp2(m, args, device))]
 
-    results = run_all(makers, init_state, batches, eval_batch, args, device)
+    results = run_all(makers, init_state, batches, eval_batch, profile_batches, args, device)
 
     init_f = {k: v.float() for k, v in init_state.items()}
     ref = results["ddp+zero"]
     rows = []
     for name, r in results.items():
         hi, lo = gather_max([r["fb"], r["step"], r["iter"], r["state_bytes"], r["peak_delta"]], device)
-        parts = gather_max(r["parts"], device)[0] if r["parts"] else None
-        rows.append((name, r, hi, lo, parts))
+        phases = gather_max(r["phases"], device)[0] if r["phases"] else None
+        rows.append((name, r, hi, lo, phases))
 
     def loss_diff(a: dict, b: dict) -> float:
         return float(((a["train_losses"] - b["train_losses"]).abs() / b["train_losses"].abs()).max())
@@ -659,16 +666,18 @@ def main() -> None:
                   f"| {expected_bytes_per_param(name, args.dtype, world)} "
                   f"| {fmt_range(hi[4] / 2**20, lo[4] / 2**20, 1)}{peak_note} "
                   f"| {rel_diff(r['params'], ref['params']):.2e} |")
-        if any(parts for *_, parts in rows):
+        if any(phases for *_, phases in rows):
             print()
-            print("megatron_opt step in parts (medians, max over ranks; the parts run in opt.step()'s order):")
+            print(f"megatron_opt's opt.step() by phase, from torch.profiler over {args.profile_steps} extra steps "
+                  f"after the timed ones (record_function ranges, CPU time total / count, ms per step, max over "
+                  f"ranks; the phases run in this order; 'rest' = whole step minus the phases):")
             print()
-            print("| implementation | finish_grad_sync (grad reduce-scatter) ms | prepare_grads + clip (found-inf "
-                  "count, norm, one stats all-reduce) ms | step_with_ready_grads (AdamW + param all-gather) ms |")
-            print("|---|---:|---:|---:|")
-            for name, _, _, _, parts in rows:
-                if parts:
-                    print(f"| {name} | {parts[0] * 1e3:.2f} | {parts[1] * 1e3:.2f} | {parts[2] * 1e3:.2f} |")
+            print("| implementation | opt.step() under profiler ms | "
+                  + " | ".join(f"{label} ms" for _, label in PHASES) + " | rest ms |")
+            print("|---|" + "---:|" * (len(PHASES) + 2))
+            for name, _, _, _, phases in rows:
+                if phases:
+                    print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in phases) + " |")
         print()
         print("Numerics after all steps (params: fp32 masters, or the fp32 params where there is no master):")
         print()

@@ -122,7 +122,7 @@ def rule02_scaler_cadence() -> dict:
     opt.grad_scaler.update = lambda found_inf: (updates.append(bool(found_inf)), real_update(found_inf))[1]
     for step in range(8):
         mo.train_step(ddp, opt, None, [(1e-3 * (rank + 1), 2)], lambda m, b: (m(b[0]) * b[1], b[1]))
-    return {"scale": float(opt.get_loss_scale()), "growth_tracker": opt.grad_scaler._growth_tracker,
+    return {"scale": float(opt.get_loss_scale()), "growth_tracker": opt.grad_scaler.state_dict()["growth_tracker"],
             "updates": updates}
 
 
@@ -474,6 +474,6 @@ def norm_threshold_skip() -> dict:
         after = (flat_params(model), _optimizer_state(opt))
     finally:
         logging.getLogger("megatron_opt").removeHandler(capture)
-    return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason, tracker=scaler._growth_tracker,
+    return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason, tracker=scaler.state_dict()["growth_tracker"],
                 unchanged=torch.equal(before[0], after[0]) and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
                 log=capture.messages)
