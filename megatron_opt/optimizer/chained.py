@@ -25,7 +25,7 @@ class ChainedOptimizer(MegatronOptimizer):
     ) -> None:
         if not chained_optimizers:
             raise ValueError("ChainedOptimizer needs at least one child optimizer.")
-        if any(c._chained_into is not None for c in chained_optimizers):
+        if any(c.chained_into is not None for c in chained_optimizers):
             raise ValueError("an optimizer can belong to one ChainedOptimizer only.")
         scalers = {id(c.grad_scaler) for c in chained_optimizers}
         if len(scalers) != 1:
@@ -43,7 +43,7 @@ class ChainedOptimizer(MegatronOptimizer):
         scaler = self.chained_optimizers[0].grad_scaler
         self._driver = StepDriver(self._leaves(), self.config, scaler, [grad_stats_group], device)
         for child in self.chained_optimizers:
-            child._driver, child._chained_into = self._driver, self
+            child.join_chain(self)
 
     def _leaves(self) -> list[ShardGroup]:
         return [c.shard_group for c in self.chained_optimizers]

@@ -25,6 +25,17 @@ class MegatronOptimizer:
     def _leaves(self) -> list[ShardGroup]:
         raise NotImplementedError
 
+    def join_chain(self, chain: "MegatronOptimizer") -> None:
+        """Hand this optimizer's step to ``chain`` (ChainedOptimizer calls this once per child)."""
+        if self._chained_into is not None:
+            raise ValueError("an optimizer can belong to one ChainedOptimizer only.")
+        self._driver, self._chained_into = chain._driver, chain
+
+    @property
+    def chained_into(self) -> Optional["MegatronOptimizer"]:
+        """The ChainedOptimizer that steps this one, or None."""
+        return self._chained_into
+
     def _stepping_driver(self, what: str) -> StepDriver:
         if self._chained_into is not None:
             raise StepOrderError(
