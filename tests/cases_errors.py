@@ -16,12 +16,12 @@ def _catch(fn) -> str:
     return ""
 
 
-def step_without_backward(only_rank: int) -> str:
+def step_without_backward(only_rank: int, distributed: bool = True) -> str:
     """Ranks other than ``only_rank`` run a backward (only_rank < 0: no rank does); step() must raise
-    on every rank instead of leaving the ranks that did run backward waiting."""
+    on every rank instead of leaving the ranks that did run backward waiting (or stepping alone)."""
     rank = dist.get_rank()
     model = TinyLM()
-    ddp, opt = build(model)
+    ddp, opt = build(model, distributed=distributed)
     ddp.zero_grad_buffer()
     if only_rank >= 0 and rank != only_rank:
         x, y = global_batch(dist.get_world_size(), seed=1)[rank]

@@ -69,9 +69,10 @@ def test_step_state_machine_errors():
         opt.step()  # again, without a new backward
 
 
+@pytest.mark.parametrize("distributed", [True, False])
 @pytest.mark.parametrize("only_rank", [-1, 1])
-def test_step_without_backward_raises_on_every_rank(pools, only_rank):
-    for rank, err in enumerate(pools(2).run(ce.step_without_backward, only_rank, timeout=120)):
+def test_step_without_backward_raises_on_every_rank(pools, only_rank, distributed):
+    for rank, err in enumerate(pools(2).run(ce.step_without_backward, only_rank, distributed, timeout=120)):
         assert "StepOrderError" in err and "no gradient since zero_grad_buffer()" in err, (rank, err)
 
 

@@ -143,12 +143,18 @@ class ShardGroup:
 
     # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
     def stats_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
-        """The group whose ranks hold the other parts of these shards ([] when nothing is sharded;
-        [None] is the default group)."""
+        """The data-parallel group the statistics are summed over ([] for one rank; [None] is the
+        default group). Without sharding every rank holds the same all-reduced gradients, so only
+        rank 0 of the group counts them (see _counts_stats) and the sum is still one copy; the
+        reduction then also makes a missing backward on one rank known to all."""
         for _, shard in self._shards_in:
-            if shard.sharded:
+            if collectives.world_size(shard.group) > 1:
                 return [shard.group]
         return []
+
+    @staticmethod
+    def _counts_stats(shard: LocalShard) -> bool:
+        return shard.sharded or collectives.rank(shard.group) == 0
 
     def has_shards(self) -> bool:
         return bool(self._shards_in)
@@ -157,8 +163,9 @@ class ShardGroup:
         """Pass 1 over every owned shard: stats += [non-finite, sum of squares, zeros]."""
         self._inv_scale = {id(src): src.grad_scale_factor / loss_scale for src in self.sources}
         for s in self.shards:
-            ops.grad_stats(s.shard.grad, s.table, self._inv_scale[id(s.source)], stats[: ops.NUM_STATS],
-                           count_zeros, backend=self.backend)
+            if self._counts_stats(s.shard):
+                ops.grad_stats(s.shard.grad, s.table, self._inv_scale[id(s.source)], stats[: ops.NUM_STATS],
+                               count_zeros, backend=self.backend)
 
     def apply_update(self, clip_coef: float) -> None:
         """Pass 2 over every owned shard with the current param_groups' lr and weight decay."""
@@ -248,6 +255,7 @@ class ShardGroup:
     def state_dict(self) -> dict:
         return {
             "fingerprint": self.fingerprint(),
+            "update_rule": {"name": self.rule.name, "hyperparameters": self.rule.hyperparameters()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "step": int(self.step.item()),
             "shards": [{"master": s.master.detach().cpu().clone(),

@@ -8,7 +8,7 @@ walks optimizer state (skips, state dicts, checkpoints) reads ``state_dtypes`` a
 from __future__ import annotations
 
 import abc
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import torch
@@ -38,8 +38,9 @@ class UpdateRule(abc.ABC):
         """Pass 2 over one shard. ``step`` is the 1-based index of this update (already advanced)."""
 
     def hyperparameters(self) -> dict[str, Any]:
-        """The rule's constants (recorded in state dicts, so a mismatch on load is caught)."""
-        return asdict(self)  # type: ignore[call-overload]
+        """The rule's constants, recorded in state dicts for inspection (a load keeps the running
+        rule's own constants, as torch.optim keeps the constructor's defaults for new groups)."""
+        return asdict(self) if is_dataclass(self) else {}
 
 
 @dataclass(frozen=True)
