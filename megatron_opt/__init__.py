@@ -2,7 +2,7 @@
 import torch  # noqa: F401  (must precede the compiled extension)
 
 from .config import DistributedDataParallelConfig, OptimizerConfig
-from .errors import ConfigError, InvalidConfigError, StepOrderError, UnsupportedConfigError
+from .errors import CheckpointError, ConfigError, InvalidConfigError, StepOrderError, UnsupportedConfigError
 from .distributed.buffers import LateGradientError
 from .distributed.ddp import DistributedDataParallel
 from .distributed.shard_view import GradSource, LocalShard, ShardPiece, assemble_full_tensors
@@ -23,6 +23,7 @@ __all__ = [
     "InvalidConfigError",
     "UnsupportedConfigError",
     "StepOrderError",
+    "CheckpointError",
     "GradSource",
     "LocalShard",
     "ShardPiece",

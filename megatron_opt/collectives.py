@@ -118,3 +118,27 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
         return
     dist.broadcast(tensor, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
 
+
+
+def raise_together(fn, group: ProcessGroup = None, what: str = "", error_type: type = RuntimeError):
+    """Run ``fn`` on every rank; if it raised on any rank, raise ``error_type`` on every rank with
+    the first failing rank's message (one all_gather_object). Use it at each boundary where one rank
+    can fail while the others would go on to a collective that rank never joins."""
+    error = None
+    result = None
+    try:
+        result = fn()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = str(exc) if isinstance(exc, error_type) else f"{type(exc).__name__}: {exc}"
+    errors = [error]
+    if world_size(group) > 1:
+        errors = [None] * world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, message = failed[0]
+        where = f" on rank {r}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+        raise error_type(f"{what} failed{where}: {message}" if what else f"failed{where}: {message}")
+    return result

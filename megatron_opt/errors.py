@@ -18,4 +18,9 @@ class StepOrderError(RuntimeError):
     """An optimizer or DDP method called out of order (e.g. prepare_grads() twice in one step)."""
 
 
-__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError"]
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; raised on every rank together, naming the file and the
+    problem. A failed load leaves the model and the optimizer untouched."""
+
+
+__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "CheckpointError"]

@@ -12,7 +12,7 @@ import torch
 
 from ..errors import StepOrderError
 from .grad_scaler import MegatronGradScaler
-from .shard_group import ShardGroup
+from .shard_group import PieceState, ShardGroup
 from .step_driver import SkipReason, StepDriver, StepState
 
 
@@ -133,6 +133,37 @@ class MegatronOptimizer:
         for leaf in self._leaves():
             out.update(leaf.gather_main_params())
         return out
+
+    def piece_states(self) -> list[PieceState]:
+        """This rank's owned param pieces, each with views of its master and update-rule state
+        (what megatron_opt.checkpoint saves in model space and writes back on load)."""
+        return [ps for leaf in self._leaves() for ps in leaf.piece_states()]
+
+    def scalar_state(self) -> dict[str, Any]:
+        """Everything but the per-element tensors: param-group hyperparameters, update counts, the
+        loss scaler and the update rules (identical on every rank)."""
+        leaves = self._leaves()
+        return {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "steps": [int(leaf.step.item()) for leaf in leaves],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "update_rules": [{"name": leaf.rule.name, "hyperparameters": leaf.rule.hyperparameters()} for leaf in leaves],
+        }
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Restore what scalar_state() returned (call check happens in megatron_opt.checkpoint)."""
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        for leaf, step in zip(self._leaves(), state["steps"]):
+            leaf.step.fill_(int(step))
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+
+    def sync_params_from_masters(self) -> None:
+        """After the masters were written (a checkpoint load): round them into the model params and
+        all-gather. A collective."""
+        for leaf in self._leaves():
+            leaf.sync_params_from_masters()
 
     def reload_model_params(self) -> None:
         """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters."""

@@ -41,6 +41,17 @@ class ShardState:
     main_params: tuple[torch.Tensor, ...]  # per piece: the leaf view of master in param_groups
 
 
+@dataclass(frozen=True)
+class PieceState:
+    """One owned param piece with its optimizer state: views over the piece's elements."""
+
+    source: GradSource
+    name: str
+    param: torch.nn.Parameter
+    param_start: int  # where the piece starts in the flattened param
+    tensors: dict[str, torch.Tensor]  # 'master' and the update rule's state, 1-D views
+
+
 def _tp_rank(group: Optional[torch.distributed.ProcessGroup]) -> int:
     return collectives.rank(group) if group is not None else 0
 
@@ -169,9 +180,9 @@ class ShardGroup:
 
     def apply_update(self, clip_coef: float) -> None:
         """Pass 2 over every owned shard with the current param_groups' lr and weight decay."""
+        ops.advance_step(self.step, backend=self.backend)  # also on ranks that own nothing: one count everywhere
         if not self.shards:
             return
-        ops.advance_step(self.step, backend=self.backend)
         lr = [float(g["lr"]) for g in self.param_groups]
         wd = [float(g["weight_decay"]) for g in self.param_groups]
         for s in self.shards:
@@ -214,6 +225,24 @@ class ShardGroup:
                 entry.update({name: t[start:end] for name, t in s.state.items()})
                 out[main] = entry
         return out
+
+    def piece_states(self) -> list[PieceState]:
+        out = []
+        for s in self.shards:
+            tensors = {"master": s.master, **s.state}
+            for pc in s.shard.pieces:
+                lo, hi = pc.shard_range.start, pc.shard_range.end
+                out.append(PieceState(s.source, s.shard.names[pc.param_index], s.shard.params[pc.param_index],
+                                      pc.param_range.start, {k: t[lo:hi] for k, t in tensors.items()}))
+        return out
+
+    def sync_params_from_masters(self) -> None:
+        """Round the masters into the model params and all-gather them (after the masters were set)."""
+        for s in self.shards:
+            if s.param_out is not None:
+                s.param_out.copy_(s.master)
+        self.start_param_sync(force_sync=True)
+        self.finish_param_sync()
 
     def gather_main_params(self) -> dict[str, torch.Tensor]:
         """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
@@ -267,6 +296,12 @@ class ShardGroup:
         if mine["optimizer"] != theirs["optimizer"]:
             raise ValueError(f"state_dict is for optimizer '{theirs['optimizer']}', this one is "
                              f"'{mine['optimizer']}'. {fix}")
+        counts = {s["shard_count"] for s in mine["shards"]}, {s["shard_count"] for s in theirs["shards"]}
+        if counts[0] and counts[1] and counts[0] != counts[1]:
+            raise ValueError(f"state_dict was saved with the optimizer sharded over {sorted(counts[1])} ranks, this one "
+                             f"is sharded over {sorted(counts[0])}: a state_dict holds one rank's shard and cannot "
+                             f"change data-parallel size. Use megatron_opt.checkpoint.save/load, which store the "
+                             f"state per parameter and reshard.")
         if len(mine["shards"]) != len(theirs["shards"]):
             raise ValueError(f"state_dict has {len(theirs['shards'])} shards on this rank, this optimizer has "
                              f"{len(mine['shards'])}: the model or the data-parallel size differs. {fix}")
@@ -292,4 +327,4 @@ class ShardGroup:
                 s.param_out.copy_(s.master)
 
 
-__all__ = ["ShardGroup", "ShardState", "counts_in_norm"]
+__all__ = ["ShardGroup", "ShardState", "PieceState", "counts_in_norm"]

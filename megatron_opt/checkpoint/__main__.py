@@ -1,0 +1,3 @@
+from .export import main
+
+main()

@@ -1,0 +1,123 @@
+"""The checkpoint directory: iteration folders, atomic commit, the tracker file, retention, integrity.
+
+    SAVE_DIR/latest_checkpointed_iteration.txt     the newest complete iteration (Megatron-LM's name)
+    SAVE_DIR/iter_0000100/                         DCP files + megatron_opt_manifest.json
+    SAVE_DIR/.tmp_iter_0000200/                    a save in progress (never read)
+
+A save writes into the temporary folder; only after every rank finished does rank 0 write the
+manifest (with a SHA-256 per data file), rename the folder into place, then replace the tracker by
+write-then-rename. A save killed at any point therefore leaves either nothing visible or a complete
+folder, and the tracker always names a complete one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MANIFEST = "megatron_opt_manifest.json"
+_TMP_PREFIX = ".tmp_iter_"
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def temporary_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"{_TMP_PREFIX}{iteration:07d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_tracker(root: Path) -> Optional[int]:
+    path = Path(root) / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    write_file_atomically(Path(root) / TRACKER, f"{iteration}\n".encode())
+
+
+def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
+    write_file_atomically(Path(folder) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / MANIFEST).read_text())
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Make a finished temporary folder visible under its final name (one rename)."""
+    if final.exists():  # re-saving an iteration: move the old one aside first, then drop it
+        old = final.with_name(final.name + ".replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def complete_iterations(root: Path) -> list[int]:
+    out = []
+    for child in Path(root).glob("iter_*"):
+        if child.is_dir() and child.name[5:].isdigit() and (child / MANIFEST).exists():
+            out.append(int(child.name[5:]))
+    return sorted(out)
+
+
+def prune(root: Path, keep_latest_k: int, protect: Iterable[int] = ()) -> None:
+    """Delete complete iterations older than the newest ``keep_latest_k`` (never the protected ones)."""
+    keep = set(complete_iterations(root)[-keep_latest_k:]) | set(protect)
+    for it in complete_iterations(root):
+        if it not in keep:
+            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+
+
+def remove_stale_temporaries(root: Path) -> None:
+    for child in Path(root).glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(child, ignore_errors=True)
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_files_of_rank(folder: Path, rank: int) -> list[Path]:
+    """The DCP data files a rank wrote (FileSystemWriter names them __<rank>_<n>.distcp)."""
+    return sorted(Path(folder).glob(f"__{rank}_*.distcp"))
+
+
+__all__ = ["TRACKER", "MANIFEST", "iteration_dir", "temporary_dir", "read_tracker", "write_tracker",
+           "write_manifest", "read_manifest", "commit", "complete_iterations", "prune",
+           "remove_stale_temporaries", "sha256_of", "data_files_of_rank", "write_file_atomically"]

@@ -1,0 +1,151 @@
+"""What a checkpoint holds, by name, in model space (independent of the data-parallel layout).
+
+Keys of the DCP state dict:
+    model/<param>                 the model param, full, replicated (DCP writes it once)
+    optim/<state>/<param>         'master' and the update rule's state, in the param's shape; each
+                                  rank contributes the part it owns (ParamChunk)
+    optim/scalars                 param-group hyperparameters, update counts, loss scaler, rules
+    scheduler, run                the LR schedule; iteration, consumed samples, user extras
+    rng/<rank>                    each rank's RNG state
+With several model chunks (virtual pipeline stages) a param is named ``chunk<c>.<name>``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .. import collectives
+from ..distributed.shard_view import GradSource
+from .dcp_items import ParamChunk
+
+FORMAT = "megatron_opt.checkpoint/1"
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    chunk: int
+    name: str
+    key: str  # the name inside the checkpoint
+    param: torch.nn.Parameter
+
+
+def as_chunks(model: Union[GradSource, Sequence[GradSource]]) -> list[GradSource]:
+    chunks = [model] if isinstance(model, (GradSource, torch.nn.Module)) else list(model)
+    for chunk in chunks:
+        if not isinstance(chunk, GradSource):
+            raise TypeError(f"megatron_opt.checkpoint needs megatron_opt.DistributedDataParallel model chunks, "
+                            f"got {type(chunk).__name__}; wrap the model first.")
+    return chunks
+
+
+def param_entries(chunks: Sequence[GradSource]) -> list[ParamEntry]:
+    """Every trainable param of every chunk, in buffer order (the same on every rank)."""
+    out = []
+    for c, chunk in enumerate(chunks):
+        for shard in chunk.local_shards():
+            for i in sorted(shard.params):
+                name = shard.names[i]
+                key = name if len(chunks) == 1 else f"chunk{c}.{name}"
+                out.append(ParamEntry(c, name, key, shard.params[i]))
+    return out
+
+
+def state_names(optimizer: Any) -> list[str]:
+    """'master' and the update rule's state tensors, in a fixed order."""
+    names = ["master"]
+    for rule in {type(r).__name__: r for r in _rules(optimizer)}.values():
+        names += [n for n in rule.state_dtypes() if n not in names]
+    return names
+
+
+def _rules(optimizer: Any) -> list:
+    children = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [child.update_rule for child in children]
+
+
+def fingerprint(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> dict[str, Any]:
+    """What must match for a load: param names, shapes, dtypes; the optimizer's rules and state."""
+    out: dict[str, Any] = {"params": [[e.key, list(e.param.shape), str(e.param.dtype)] for e in param_entries(chunks)]}
+    if optimizer is not None:
+        out["optimizer"] = {"rules": [r.name for r in _rules(optimizer)], "state": state_names(optimizer)}
+    return out
+
+
+def _pieces_by_param(optimizer: Any, chunks: Sequence[GradSource]) -> dict[tuple[int, str], Any]:
+    index = {id(chunk): c for c, chunk in enumerate(chunks)}
+    return {(index[id(ps.source)], ps.name): ps for ps in optimizer.piece_states()}
+
+
+def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
+                     run: dict[str, Any], rng: dict[str, Any], snapshot: bool) -> dict[str, Any]:
+    """The DCP state dict to save. ``snapshot`` copies every tensor (for a save in the background)."""
+    own = (lambda t: t.detach().clone()) if snapshot else (lambda t: t.detach())
+    entries = param_entries(chunks)
+    sd: dict[str, Any] = {f"model/{e.key}": own(e.param) for e in entries}
+    if optimizer is not None:
+        pieces = _pieces_by_param(optimizer, chunks)
+        for st in state_names(optimizer):
+            for e in entries:
+                ps = pieces.get((e.chunk, e.name))
+                flat = own(ps.tensors[st]) if ps is not None else torch.empty(0, device=e.param.device)
+                sd[f"optim/{st}/{e.key}"] = ParamChunk(flat, e.param.shape, ps.param_start if ps is not None else 0)
+        sd["optim/scalars"] = optimizer.scalar_state()
+    if scheduler is not None:
+        sd["scheduler"] = scheduler.state_dict()
+    sd["run"] = dict(run)
+    sd[f"rng/{collectives.rank(None)}"] = rng
+    return sd
+
+
+def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
+                           load_rng: bool) -> dict[str, Any]:
+    """Fresh tensors for everything a load reads: nothing live is written until all is read and checked."""
+    entries = param_entries(chunks)
+    dest: dict[str, Any] = {f"model/{e.key}": torch.empty_like(e.param.detach()) for e in entries}
+    if optimizer is not None:
+        pieces = _pieces_by_param(optimizer, chunks)
+        for st in state_names(optimizer):
+            for e in entries:
+                ps = pieces.get((e.chunk, e.name))
+                if ps is not None:
+                    dest[f"optim/{st}/{e.key}"] = ParamChunk(torch.empty_like(ps.tensors[st]), e.param.shape, ps.param_start)
+        dest["optim/scalars"] = None
+    if scheduler is not None:
+        dest["scheduler"] = None
+    dest["run"] = None
+    if load_rng:
+        dest[f"rng/{collectives.rank(None)}"] = None
+    return dest
+
+
+def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
+    for key, value in dest.items():
+        if isinstance(value, ParamChunk) and value.flat.numel() and not torch.isfinite(value.flat).all():
+            return f"{key} holds non-finite values"
+    return None
+
+
+def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[Any],
+                       scheduler: Optional[Any]) -> None:
+    """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
+    entries = param_entries(chunks)
+    with torch.no_grad():
+        for e in entries:
+            e.param.copy_(dest[f"model/{e.key}"])
+        if optimizer is not None:
+            pieces = _pieces_by_param(optimizer, chunks)
+            for st in state_names(optimizer):
+                for e in entries:
+                    ps = pieces.get((e.chunk, e.name))
+                    if ps is not None:
+                        ps.tensors[st].copy_(dest[f"optim/{st}/{e.key}"].flat)
+            optimizer.load_scalar_state(dest["optim/scalars"])
+            optimizer.sync_params_from_masters()
+    if scheduler is not None:
+        scheduler.load_state_dict(dest["scheduler"])
+
+
+__all__ = ["FORMAT", "ParamEntry", "as_chunks", "param_entries", "state_names", "fingerprint", "build_save_state",
+           "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -1,0 +1,214 @@
+"""Worker-side checkpoint cases: bit-exact resume, resharding, validation before mutation, async saves."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import megatron_opt as mo
+import megatron_opt.checkpoint as ckpt
+from megatron_opt.checkpoint import directory
+from common import VOCAB, SEQ, TinyLM, token_loss_sum
+
+PRECISIONS = {
+    "fp32": dict(dtype=torch.float32, opt=dict()),
+    "bf16": dict(dtype=torch.bfloat16, opt=dict(bf16=True)),
+    "fp16": dict(dtype=torch.float16, opt=dict(fp16=True, initial_loss_scale=2.0**12, loss_scale_window=2)),
+}
+MB, GA = 2, 2
+
+
+def build_run(precision: str, seed: int, distributed: bool = True, optimizer: str = "adam"):
+    spec = PRECISIONS[precision]
+    model = TinyLM(spec["dtype"], seed=seed)
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed, grad_reduce_in_fp32=True))
+    cfg = mo.OptimizerConfig(lr=1e-2, min_lr=1e-3, weight_decay=0.1, clip_grad=1.0, optimizer=optimizer,
+                             use_distributed_optimizer=distributed, **spec["opt"])
+    opt = mo.get_megatron_optimizer(cfg, ddp)
+    sched = mo.OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=8,
+                                       lr_decay_steps=64, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                       wd_incr_steps=64, wd_incr_style="constant")
+    return model, ddp, opt, sched
+
+
+def _batches() -> list:
+    """Drawn from the global torch RNG, so a resume is bit-exact only if the RNG state was restored."""
+    out = []
+    for _ in range(GA):
+        tokens = torch.randint(0, VOCAB, (MB, SEQ))
+        labels = torch.randint(0, VOCAB, (MB, SEQ))
+        labels[:, : int(torch.randint(0, SEQ // 2, ()))] = -100  # ragged token counts
+        out.append((tokens, labels))
+    return out
+
+
+def _loss_fn(model, batch):
+    return token_loss_sum(model(batch[0]), batch[1])
+
+
+def train(ddp, opt, sched, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        res = mo.train_step(ddp, opt, sched, _batches(), _loss_fn, samples_per_step=MB * GA * dist.get_world_size())
+        losses.append(res.loss)
+    return losses
+
+
+def digest(model, opt, sched) -> dict:
+    return dict(params=[p.detach().clone() for p in model.parameters()],
+                state={k: v.clone() for k, v in opt.local_state_tensors().items()},
+                scalars=opt.scalar_state(), sched=sched.state_dict())
+
+
+def resume_case(path: str, precision: str, phase: str, steps: int, async_save: bool) -> dict:
+    """phase 'straight': `steps` steps. 'first': steps/2, save, return. 'second': a different init and
+    RNG, load, steps/2. straight and second must agree bitwise."""
+    rank = dist.get_rank()
+    half = steps // 2
+    torch.manual_seed(1000 + rank if phase != "second" else 5)
+    model, ddp, opt, sched = build_run(precision, seed=7 if phase != "second" else 99)
+    if phase == "straight":
+        losses = train(ddp, opt, sched, steps)
+        return dict(digest(model, opt, sched), losses=losses)
+    if phase == "first":
+        losses = train(ddp, opt, sched, half)
+        ckpt.save(path, ddp, opt, sched, iteration=half, consumed_samples=half * MB * GA * dist.get_world_size(),
+                  async_save=async_save)
+        if async_save:
+            ckpt.wait_for_pending_save()
+        return dict(losses=losses)
+    state = ckpt.load(path, ddp, opt, sched)
+    losses = train(ddp, opt, sched, steps - half)
+    return dict(digest(model, opt, sched), losses=losses, iteration=state.iteration, rng=state.rng_restored,
+                consumed=state.consumed_samples)
+
+
+def save_after_steps(path: str, precision: str, steps: int, optimizer: str = "adam") -> dict:
+    torch.manual_seed(3 + dist.get_rank())
+    model, ddp, opt, sched = build_run(precision, seed=7, optimizer=optimizer)
+    train(ddp, opt, sched, steps)
+    ckpt.save(path, ddp, opt, sched, iteration=steps)
+    torch.manual_seed(50 + dist.get_rank())
+    losses = train(ddp, opt, sched, 2)  # the continuation at the save-time DP size
+    return dict(losses=losses, params=[p.detach().clone() for p in model.parameters()])
+
+
+def load_resharded(path: str, resave_path: str, precision: str, distributed: bool, optimizer: str = "adam") -> dict:
+    """Load at this pool's DP size, save again (the re-save must equal the original in model space),
+    then train 2 steps."""
+    model, ddp, opt, sched = build_run(precision, seed=123, distributed=distributed, optimizer=optimizer)
+    state = ckpt.load(path, ddp, opt, sched)
+    ckpt.save(resave_path, ddp, opt, sched, iteration=state.iteration)
+    torch.manual_seed(50 + dist.get_rank())
+    losses = train(ddp, opt, sched, 2)
+    return dict(saved_dp=state.saved_data_parallel_size, rng=state.rng_restored, losses=losses,
+                params=[p.detach().clone() for p in model.parameters()])
+
+
+def _snapshot(model, opt) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.local_state_tensors().values()]
+
+
+def load_damaged(path: str, damage: str) -> dict:
+    """Every rank must raise CheckpointError quickly, with the model and optimizer untouched."""
+    rank = dist.get_rank()
+    model, ddp, opt, sched = build_run("fp32", seed=11)
+    if damage == "wrong_model":
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+        opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), ddp)
+        sched = None
+    before = _snapshot(model, opt)
+    start = time.monotonic()
+    try:
+        ckpt.load(path, ddp, opt, sched)
+        error = None
+    except mo.CheckpointError as exc:
+        error = str(exc)
+    after = _snapshot(model, opt)
+    return dict(rank=rank, error=error, seconds=time.monotonic() - start,
+                untouched=all(torch.equal(a, b) for a, b in zip(before, after)))
+
+
+def async_save_failure(path: str) -> dict:
+    """A background write that fails on rank 1 raises on every rank at the next check."""
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("fp32", seed=7)
+    train(ddp, opt, sched, 1)
+    real = directory.sha256_of
+    if dist.get_rank() == 1:
+        def broken(p):
+            raise OSError(f"disk full while reading back {p}")
+        directory.sha256_of = broken
+    try:
+        ckpt.save(path, ddp, opt, sched, iteration=1, async_save=True)
+        error = None
+        try:
+            for _ in range(50):
+                train(ddp, opt, sched, 1)  # training goes on while the save runs
+                ckpt.check_pending_save()
+                time.sleep(0.05)
+            ckpt.wait_for_pending_save()
+        except mo.CheckpointError as exc:
+            error = str(exc)
+    finally:
+        directory.sha256_of = real
+    return dict(error=error, tracker=directory.read_tracker(path))
+
+
+def async_save_overlaps_training(path: str) -> dict:
+    """An async save returns after the copy; its result equals a sync save of the same state."""
+    torch.manual_seed(3 + dist.get_rank())
+    model, ddp, opt, sched = build_run("bf16", seed=7)
+    train(ddp, opt, sched, 2)
+    t0 = time.perf_counter()
+    ckpt.save(os.path.join(path, "sync"), ddp, opt, sched, iteration=2)
+    sync_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ckpt.save(os.path.join(path, "async"), ddp, opt, sched, iteration=2, async_save=True)
+    blocked_s = time.perf_counter() - t0
+    train(ddp, opt, sched, 1)  # mutates params and state while the background write runs
+    ckpt.wait_for_pending_save()
+    return dict(sync_s=sync_s, blocked_s=blocked_s)
+
+
+def state_dict_other_dp(path: str) -> str:
+    """DistributedOptimizer.load_state_dict of a state dict saved at another DP size."""
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("fp32", seed=7)
+    sd = torch.load(path, weights_only=False)[dist.get_rank() % 2]
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def save_state_dicts(path: str) -> None:
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("fp32", seed=7)
+    train(ddp, opt, sched, 1)
+    sds = [None] * dist.get_world_size()
+    dist.all_gather_object(sds, opt.state_dict())
+    if dist.get_rank() == 0:
+        torch.save(sds, path)
+
+
+def save_iterations(path: str, iterations: list, keep: int) -> None:
+    model, ddp, opt, sched = build_run("fp32", seed=7)
+    for it in iterations:
+        ckpt.save(path, ddp, opt, sched, iteration=it, keep_latest_k=keep)
+
+
+def save_with_nan_moment(path: str) -> None:
+    """A checkpoint whose files are intact but whose saved state holds a NaN (only the value check can tell)."""
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("fp32", seed=7)
+    train(ddp, opt, sched, 1)
+    if dist.get_rank() == 0:
+        key = next(k for k in opt.local_state_tensors() if k.endswith("exp_avg"))
+        opt.local_state_tensors()[key][0] = float("nan")
+    ckpt.save(path, ddp, opt, sched, iteration=1)

@@ -1,0 +1,186 @@
+"""megatron_opt.checkpoint: bit-exact resume, resharding across DP sizes, validation before mutation,
+async saves, export (CPU, gloo)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_opt as mo
+import megatron_opt.checkpoint as ckpt
+from megatron_opt.checkpoint import directory
+from megatron_opt.checkpoint.boxes import flat_range_to_boxes
+
+import cases_checkpoint as cc
+
+STEPS = 4
+
+
+def _equal_digest(a: dict, b: dict, where: str) -> None:
+    for i, (x, y) in enumerate(zip(a["params"], b["params"])):
+        assert torch.equal(x, y), f"{where}: param {i} differs"
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        assert torch.equal(a["state"][k], b["state"][k]), f"{where}: optimizer state {k} differs"
+    assert a["scalars"] == b["scalars"], where
+    assert a["sched"] == b["sched"], where
+    assert a["losses"][-len(b["losses"]):] == b["losses"], where
+
+
+# ----------------------------------------------------------------------------- bit-exact resume
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("precision, async_save", [("fp32", False), ("bf16", True), ("fp16", False), ("fp16", True)])
+def test_resume_is_bit_exact(pools, tmp_path, world, precision, async_save):
+    pool = pools(world)
+    straight = pool.run(cc.resume_case, str(tmp_path), precision, "straight", STEPS, async_save)
+    pool.run(cc.resume_case, str(tmp_path), precision, "first", STEPS, async_save)
+    assert directory.read_tracker(tmp_path) == STEPS // 2
+    resumed = pool.run(cc.resume_case, str(tmp_path), precision, "second", STEPS, async_save)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        assert b["iteration"] == STEPS // 2 and b["rng"]
+        assert b["consumed"] == STEPS // 2 * cc.MB * cc.GA * world
+        _equal_digest(a, b, f"world={world} {precision} async={async_save} rank={rank}")
+
+
+# ----------------------------------------------------------------------------- resharding
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_reshard_from_dp2_to_dp3_1_4_and_unsharded(pools, tmp_path, precision):
+    saved = tmp_path / "dp2"
+    straight = pools(2).run(cc.save_after_steps, str(saved), precision, 3)
+    originals = {what: ckpt.read_tensors(saved, what) for what in ("model", "master", "exp_avg", "exp_avg_sq")}
+    for world, distributed in ((3, True), (1, True), (4, True), (2, False)):
+        resave = tmp_path / f"resaved_{world}_{distributed}"
+        results = pools(world).run(cc.load_resharded, str(saved), str(resave), precision, distributed)
+        for what, tensors in originals.items():
+            again = ckpt.read_tensors(resave, what)
+            for name, t in tensors.items():
+                assert torch.equal(again[name], t), f"{what} {name} changed going DP=2 -> DP={world} ({distributed})"
+        for res in results:
+            assert res["saved_dp"] == 2 and res["rng"] == (world == 2)
+        # Training goes on: at DP=2 without sharding the data and the state are those of the straight
+        # DP=2 continuation, so the params agree up to the reduction (all-reduce vs reduce-scatter).
+        for res in results:
+            assert all(torch.isfinite(torch.tensor(res["losses"])))
+        if world == 2:
+            tol = 1e-6 if precision == "fp32" else 1e-2
+            for a, b in zip(straight[0]["params"], results[0]["params"]):
+                assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), "DP=2 unsharded continuation"
+
+
+def test_lion_state_reshards(pools, tmp_path):
+    saved = tmp_path / "lion"
+    pools(2).run(cc.save_after_steps, str(saved), "fp32", 2, "lion")
+    resave = tmp_path / "lion3"
+    pools(3).run(cc.load_resharded, str(saved), str(resave), "fp32", True, "lion")
+    for what in ("master", "exp_avg"):
+        a, b = ckpt.read_tensors(saved, what), ckpt.read_tensors(resave, what)
+        assert all(torch.equal(a[k], b[k]) for k in a), what
+
+
+def test_boxes_cover_any_flat_range_exactly():
+    for shape in [(7, 5), (3, 4, 6), (13,), (), (1, 1, 9), (4, 1, 3, 2)]:
+        n = int(torch.tensor(shape).prod()) if shape else 1
+        full = torch.arange(n).reshape(shape)
+        for start in range(n + 1):
+            for end in range(start, n + 1):
+                seen = []
+                for box in flat_range_to_boxes(shape, start, end):
+                    region = full[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))] if shape else full
+                    assert region.reshape(-1)[0].item() == box.flat_start
+                    seen += region.reshape(-1).tolist()
+                assert seen == list(range(start, end)), (shape, start, end)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+def _damage(folder, how: str) -> None:
+    data = sorted(p for p in folder.iterdir() if p.suffix == ".distcp")
+    if how == "truncated":
+        with open(data[0], "r+b") as f:
+            f.truncate(os.path.getsize(data[0]) // 2)
+    elif how == "missing_file":
+        data[-1].unlink()
+    elif how == "corrupt":
+        with open(data[0], "r+b") as f:
+            f.seek(os.path.getsize(data[0]) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif how == "missing_manifest":
+        (folder / directory.MANIFEST).unlink()
+    elif how == "truncated_metadata":
+        with open(folder / ".metadata", "r+b") as f:
+            f.truncate(10)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing_file", "corrupt", "missing_manifest", "truncated_metadata",
+                                    "wrong_model", "no_checkpoint"])
+def test_damaged_checkpoint_raises_everywhere_and_changes_nothing(pools, tmp_path, damage):
+    pool = pools(2)
+    pool.run(cc.save_after_steps, str(tmp_path), "fp32", 1)
+    folder = directory.iteration_dir(tmp_path, 1)
+    if damage == "no_checkpoint":
+        shutil.rmtree(tmp_path)
+    elif damage != "wrong_model":
+        _damage(folder, damage)
+    results = pool.run(cc.load_damaged, str(tmp_path), damage, timeout=60)
+    expect = {"truncated": "truncated", "missing_file": "is missing", "corrupt": "corrupt",
+              "missing_manifest": "not a complete checkpoint", "truncated_metadata": ".metadata",
+              "wrong_model": "different model", "no_checkpoint": "no checkpoint"}[damage]
+    for res in results:
+        assert res["error"] is not None and expect in res["error"], res
+        assert res["untouched"], f"rank {res['rank']}: the model or optimizer changed before the error"
+        assert res["seconds"] < 20
+
+
+def test_nonfinite_saved_state_is_rejected(pools, tmp_path):
+    pool = pools(2)
+    pool.run(cc.save_with_nan_moment, str(tmp_path))
+    for res in pool.run(cc.load_damaged, str(tmp_path), "nan", timeout=60):
+        assert res["error"] and "non-finite" in res["error"] and res["untouched"], res
+
+
+# ----------------------------------------------------------------------------- async saves
+def test_async_save_failure_raises_on_every_rank(pools, tmp_path):
+    for res in pools(2).run(cc.async_save_failure, str(tmp_path), timeout=120):
+        assert res["error"] is not None and "disk full" in res["error"] and "rank 1" in res["error"], res
+        assert res["tracker"] is None, "a failed save must not become the latest checkpoint"
+
+
+def test_async_save_equals_sync_save(pools, tmp_path):
+    pools(2).run(cc.async_save_overlaps_training, str(tmp_path))
+    for what in ("model", "master", "exp_avg", "exp_avg_sq"):
+        a = ckpt.read_tensors(tmp_path / "sync", what)
+        b = ckpt.read_tensors(tmp_path / "async", what)
+        assert all(torch.equal(a[k], b[k]) for k in a), f"{what}: the background save saw later updates"
+
+
+# ----------------------------------------------------------------------------- retention, export, old API
+def test_keep_latest_k_and_tracker(pools, tmp_path):
+    pools(2).run(cc.save_iterations, str(tmp_path), [1, 2, 3, 4], 2)
+    assert directory.complete_iterations(tmp_path) == [3, 4]
+    assert ckpt.latest_iteration(tmp_path) == 4
+    assert not list(tmp_path.glob(".tmp_iter_*"))
+
+
+def test_export_cli_writes_a_plain_state_dict(pools, tmp_path):
+    pools(2).run(cc.save_after_steps, str(tmp_path / "ck"), "bf16", 2)
+    out = tmp_path / "model.pt"
+    subprocess.run([sys.executable, "-m", "megatron_opt.checkpoint", "export", str(tmp_path / "ck"), str(out)],
+                   check=True, capture_output=True, timeout=120)
+    exported = torch.load(out, weights_only=True)
+    model = cc.TinyLM(torch.bfloat16)
+    model.load_state_dict(exported)  # names, shapes and dtypes of a plain module
+    masters = ckpt.read_model_state(tmp_path / "ck", masters=True)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), masters[name].to(p.dtype)), name
+
+
+def test_optimizer_state_dict_at_another_dp_points_to_checkpoint(pools, tmp_path):
+    path = str(tmp_path / "sd.pt")
+    pools(2).run(cc.save_state_dicts, path)
+    for message in pools(3).run(cc.state_dict_other_dp, path):
+        assert "megatron_opt.checkpoint" in message, message
