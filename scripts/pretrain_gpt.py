@@ -1,12 +1,19 @@
 """Pretrain a small GPT with megatron_opt under torchrun: CPU/gloo without a GPU, CUDA/NCCL with one.
 
     torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --steps 30
+    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --steps 30 --save ckpt --save-interval 10
+    torchrun --standalone --nproc_per_node=3 scripts/pretrain_gpt.py --steps 40 --load ckpt --save ckpt   # resume, DP 2 -> 3
 
 The built-in dataset is character-level text taken from the docstrings of Python's standard library
 (present on every machine, nothing is downloaded), cut into documents of random length and padded
 with ignored labels, so micro-batches carry different numbers of supervised tokens and the
 per-token loss normalisation matters. Every step logs loss, grad norm, loss scale, lr, skipped
 steps and tokens/s.
+
+Checkpoints (megatron_opt.checkpoint, Megatron-LM's flag names): ``--save DIR`` saves every
+``--save-interval`` iterations and at the end; ``--load DIR`` resumes the model, optimizer, schedule,
+loss scale, iteration, RNG and data position (at any data-parallel size; the RNG and data position
+only at the same size), ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import megatron_opt as mo
+import megatron_opt.checkpoint  # noqa: F401  (mo.checkpoint)
 
 STDLIB_MODULES = ("collections", "functools", "itertools", "json", "os", "pathlib", "re", "string",
                   "textwrap", "typing", "argparse", "logging", "dataclasses", "statistics", "heapq")
@@ -137,6 +145,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap-param-gather", action="store_true")
     p.add_argument("--loss-mode", choices=mo.training.LOSS_MODES, default="per_token")
     p.add_argument("--seed", type=int, default=1234)
+    ck = p.add_argument_group("checkpoints")
+    ck.add_argument("--save", default=None, help="checkpoint folder to save into")
+    ck.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    ck.add_argument("--load", default=None, help="checkpoint folder to resume from (its latest iteration)")
+    ck.add_argument("--no-load-optim", action="store_true", help="load the model only")
+    ck.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    ck.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    ck.add_argument("--keep-latest-k", type=int, default=None, help="delete older checkpoints")
+    ck.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after this iteration")
     return p.parse_args()
 
 
@@ -177,13 +194,34 @@ def main() -> None:
         wd_incr_steps=args.steps * samples_per_step, wd_incr_style="constant",
     )
     loss_fn = gpt_loss if args.loss_mode == "per_token" else gpt_mean_loss
+    start_iteration = 0
+    if args.load is not None and mo.checkpoint.latest_iteration(args.load) is not None:
+        state = mo.checkpoint.load(args.load, ddp, optimizer, scheduler, load_optimizer=not args.no_load_optim,
+                                   load_rng=not args.no_load_rng)
+        start_iteration = state.iteration
+        if state.rank_extra is not None and "data" in state.rank_extra:
+            dataset.gen.set_state(state.rank_extra["data"])
+        else:  # another DP size: each rank's data stream starts afresh, away from the first run's
+            dataset.gen.manual_seed(args.seed + rank + 7919 * (start_iteration + 1))
+        if rank == 0:
+            print(f"resumed from iteration {state.iteration} (saved at DP={state.saved_data_parallel_size}, "
+                  f"now DP={world}) from {state.path}", flush=True)
+
+    def save(iteration: int) -> None:
+        mo.checkpoint.save(args.save, ddp, optimizer, scheduler, iteration=iteration,
+                           consumed_samples=iteration * samples_per_step, rank_extra={"data": dataset.gen.get_state()},
+                           keep_latest_k=args.keep_latest_k, async_save=args.async_save)
+        if rank == 0:
+            print(f"saved iteration {iteration} to {args.save}{' (in the background)' if args.async_save else ''}",
+                  flush=True)
+
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={world}, device={device}, "
               f"dtype={next(model.parameters()).dtype}, ops backend={mo.ops.backend_for(next(model.parameters()))}, "
               f"loss mode={args.loss_mode}", flush=True)
     first_loss = last_loss = None
-    for step in range(1, args.steps + 1):
+    for step in range(start_iteration + 1, args.steps + 1):
         batches = [tuple(t.to(device) for t in dataset.microbatch(args.micro_batch_size))
                    for _ in range(args.num_microbatches)]
         start = time.perf_counter()
@@ -199,7 +237,15 @@ def main() -> None:
             tokens = result.num_tokens if args.loss_mode == "per_token" else samples_per_step * args.seq_len
             print(f"step {step:4d} | loss {result.loss:.4f} | grad norm {norm} | loss scale {result.loss_scale:g} "
                   f"| lr {result.lr:.3e} | skipped {result.skipped_steps} | tokens/s {tokens / elapsed:,.0f}", flush=True)
-    if rank == 0:
+        if args.save is not None:
+            mo.checkpoint.check_pending_save()  # a failed background save stops every rank here
+            if (args.save_interval and step % args.save_interval == 0) or step == args.steps or step == args.exit_interval:
+                save(step)
+        if args.exit_interval is not None and step >= args.exit_interval:
+            break
+    if args.save is not None:
+        mo.checkpoint.wait_for_pending_save()
+    if rank == 0 and first_loss is not None:
         print(f"done: loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
     dist.destroy_process_group()
 

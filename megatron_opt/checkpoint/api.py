@@ -45,6 +45,7 @@ class RunState:
     saved_data_parallel_size: int
     path: str
     extra: dict = field(default_factory=dict)
+    rank_extra: Optional[dict] = None  # this rank's extras; None when the world size changed
     rng_restored: bool = False
 
 
@@ -123,10 +124,12 @@ def _prepare_folder(root: Path, tmp: Path, rank: int) -> None:
 
 
 def save(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, scheduler: Optional[Any] = None, *,
-         iteration: int, consumed_samples: int = 0, extra: Optional[dict] = None,
+         iteration: int, consumed_samples: int = 0, extra: Optional[dict] = None, rank_extra: Optional[dict] = None,
          keep_latest_k: Optional[int] = None, async_save: bool = False) -> None:
     """Save model, optimizer, scheduler and run state as ``path/iter_<iteration>`` (every rank calls it).
 
+    ``extra``: run-wide extras (identical on every rank); ``rank_extra``: this rank's own (e.g. its
+    data-loader position), given back by load() at the same world size.
     ``async_save``: copy the state (the only part that blocks), write it in the background; the
     next save, ``wait_for_pending_save()`` or a failing ``check_pending_save()`` reports errors,
     on every rank.
@@ -136,7 +139,8 @@ def save(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
     root = Path(path)
     chunks = model_space.as_chunks(model)
     run = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
-    state = model_space.build_save_state(chunks, optimizer, scheduler, run, capture_rng(), snapshot=async_save)
+    rank_state = {"rng": capture_rng(), "extra": dict(rank_extra or {})}
+    state = model_space.build_save_state(chunks, optimizer, scheduler, run, rank_state, snapshot=async_save)
     manifest = {
         "format": model_space.FORMAT, "megatron_opt_version": VERSION, "iteration": int(iteration),
         "data_parallel_size": collectives.world_size(None), "fingerprint": model_space.fingerprint(chunks, optimizer),
@@ -254,8 +258,8 @@ def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
 
     Checks the folder, the files (sizes, SHA-256) and the model's names, shapes and dtypes, reads
     everything into fresh tensors, rejects non-finite optimizer state, and only then writes the
-    model, optimizer (unless ``load_optimizer=False``) and scheduler. RNG states are restored when the
-    world size equals the saved one (``load_rng``). Any failure raises CheckpointError on every rank.
+    model, optimizer (unless ``load_optimizer=False``) and scheduler. RNG states (``load_rng``) and
+    per-rank extras are restored when the world size equals the saved one. Any failure raises CheckpointError on every rank.
     """
     chunks = model_space.as_chunks(model)
     opt = optimizer if load_optimizer else None
@@ -273,7 +277,7 @@ def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
 
     folder, manifest = collectives.raise_together(check, None, f"checkpoint load from {path}", CheckpointError)
     same_world = manifest["data_parallel_size"] == world
-    dest = model_space.build_load_destination(chunks, opt, scheduler, load_rng and same_world)
+    dest = model_space.build_load_destination(chunks, opt, scheduler, same_world)
 
     def read() -> None:
         with warnings.catch_warnings():
@@ -288,13 +292,14 @@ def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
     model_space.apply_loaded_state(dest, chunks, opt, scheduler)
     if optimizer is not None and not load_optimizer:
         optimizer.reload_model_params()
-    rng_key = f"rng/{rank}"
-    if dest.get(rng_key) is not None:
-        restore_rng(dest[rng_key])
+    mine = dest.get(model_space.rank_key())
+    if mine is not None and load_rng:
+        restore_rng(mine["rng"])
     run = dest["run"]
     return RunState(iteration=run["iteration"], consumed_samples=run["consumed_samples"],
                     saved_data_parallel_size=manifest["data_parallel_size"], path=str(folder),
-                    extra=run.get("extra", {}), rng_restored=dest.get(rng_key) is not None)
+                    extra=run.get("extra", {}), rank_extra=mine["extra"] if mine is not None else None,
+                    rng_restored=mine is not None and load_rng)
 
 
 def latest_iteration(path: Union[str, Path]) -> Optional[int]:

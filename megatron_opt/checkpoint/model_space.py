@@ -6,7 +6,7 @@ Keys of the DCP state dict:
                                   rank contributes the part it owns (ParamChunk)
     optim/scalars                 param-group hyperparameters, update counts, loss scaler, rules
     scheduler, run                the LR schedule; iteration, consumed samples, user extras
-    rng/<rank>                    each rank's RNG state
+    rank/<rank>                   each rank's RNG state and its own extras (e.g. its data position)
 With several model chunks (virtual pipeline stages) a param is named ``chunk<c>.<name>``.
 """
 from __future__ import annotations
@@ -78,8 +78,12 @@ def _pieces_by_param(optimizer: Any, chunks: Sequence[GradSource]) -> dict[tuple
     return {(index[id(ps.source)], ps.name): ps for ps in optimizer.piece_states()}
 
 
+def rank_key() -> str:
+    return f"rank/{collectives.rank(None)}"
+
+
 def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
-                     run: dict[str, Any], rng: dict[str, Any], snapshot: bool) -> dict[str, Any]:
+                     run: dict[str, Any], rank_state: dict[str, Any], snapshot: bool) -> dict[str, Any]:
     """The DCP state dict to save. ``snapshot`` copies every tensor (for a save in the background)."""
     own = (lambda t: t.detach().clone()) if snapshot else (lambda t: t.detach())
     entries = param_entries(chunks)
@@ -95,12 +99,12 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
     sd["run"] = dict(run)
-    sd[f"rng/{collectives.rank(None)}"] = rng
+    sd[rank_key()] = rank_state
     return sd
 
 
 def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
-                           load_rng: bool) -> dict[str, Any]:
+                           load_rank_state: bool) -> dict[str, Any]:
     """Fresh tensors for everything a load reads: nothing live is written until all is read and checked."""
     entries = param_entries(chunks)
     dest: dict[str, Any] = {f"model/{e.key}": torch.empty_like(e.param.detach()) for e in entries}
@@ -115,8 +119,8 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     if scheduler is not None:
         dest["scheduler"] = None
     dest["run"] = None
-    if load_rng:
-        dest[f"rng/{collectives.rank(None)}"] = None
+    if load_rank_state:
+        dest[rank_key()] = None
     return dest
 
 

@@ -148,6 +148,7 @@ class MegatronOptimizer:
             "steps": [int(leaf.step.item()) for leaf in leaves],
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "update_rules": [{"name": leaf.rule.name, "hyperparameters": leaf.rule.hyperparameters()} for leaf in leaves],
+            "skipped_steps": self.skipped_steps,
         }
 
     def load_scalar_state(self, state: dict[str, Any]) -> None:
@@ -158,6 +159,7 @@ class MegatronOptimizer:
             leaf.step.fill_(int(step))
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
+        self._driver.skipped_steps = int(state.get("skipped_steps", 0))
 
     def sync_params_from_masters(self) -> None:
         """After the masters were written (a checkpoint load): round them into the model params and
