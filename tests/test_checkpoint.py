@@ -184,3 +184,17 @@ def test_optimizer_state_dict_at_another_dp_points_to_checkpoint(pools, tmp_path
     pools(2).run(cc.save_state_dicts, path)
     for message in pools(3).run(cc.state_dict_other_dp, path):
         assert "megatron_opt.checkpoint" in message, message
+
+
+def test_load_in_one_process_without_a_process_group(pools, tmp_path):
+    """Inspection and export: load() of a DP=2 checkpoint in this (non-distributed) test process."""
+    import torch.distributed as dist
+    assert not dist.is_initialized()
+    pools(2).run(cc.save_after_steps, str(tmp_path), "bf16", 2)
+    model, ddp, opt, sched = cc.build_run("bf16", seed=321)
+    state = ckpt.load(tmp_path, ddp, opt, sched)
+    assert state.saved_data_parallel_size == 2 and state.rank_extra is None and not state.rng_restored
+    masters = opt.gather_main_params()
+    saved = ckpt.read_tensors(tmp_path, "master")
+    assert all(torch.equal(masters[k], saved[k]) for k in saved)
+    assert all(torch.equal(p.detach(), saved[n].to(p.dtype)) for n, p in model.named_parameters())
