@@ -2,7 +2,8 @@
 import torch  # noqa: F401  (must precede the compiled extension)
 
 from .config import DistributedDataParallelConfig, OptimizerConfig
-from .errors import CheckpointError, ConfigError, InvalidConfigError, StepOrderError, UnsupportedConfigError
+from .errors import (CheckpointError, ConfigError, InvalidConfigError, RankError, StepOrderError,
+                     UnsupportedConfigError)
 from .distributed.buffers import LateGradientError
 from .distributed.ddp import DistributedDataParallel
 from .distributed.shard_view import GradSource, LocalShard, ShardPiece, assemble_full_tensors
@@ -24,6 +25,7 @@ __all__ = [
     "UnsupportedConfigError",
     "StepOrderError",
     "CheckpointError",
+    "RankError",
     "GradSource",
     "LocalShard",
     "ShardPiece",

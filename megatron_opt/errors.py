@@ -18,9 +18,14 @@ class StepOrderError(RuntimeError):
     """An optimizer or DDP method called out of order (e.g. prepare_grads() twice in one step)."""
 
 
+class RankError(RuntimeError):
+    """One rank failed where every rank must go on together (e.g. a micro-batch's forward in
+    train_step); raised on every rank, naming the failing rank and its error."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; raised on every rank together, naming the file and the
     problem. A failed load leaves the model and the optimizer untouched."""
 
 
-__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "CheckpointError"]
+__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "RankError", "CheckpointError"]

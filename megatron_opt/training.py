@@ -19,6 +19,7 @@ backward so it overlaps with it.
 from __future__ import annotations
 
 import contextlib
+import zlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
@@ -26,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from . import collectives
+from .errors import RankError
 from .distributed.ddp import DistributedDataParallel
 
 logger = logging.getLogger("megatron_opt")
@@ -71,6 +73,32 @@ def _batch_size(batch: Any) -> int:
     raise ValueError("train_step cannot infer the micro-batch size; pass samples_per_step.")
 
 
+def _agree(group, failure: Optional[BaseException], aux_names: Optional[list]) -> None:
+    """One small MAX all-reduce of [failed, n_aux, -n_aux, aux signature, -signature]: every rank
+    learns whether any rank failed or returned other aux losses, and all raise RankError together."""
+    n = len(aux_names) if aux_names is not None else -1
+    signature = float(zlib.crc32(repr(aux_names).encode()) % (1 << 24)) if aux_names is not None else -1.0
+    flags = torch.tensor([1.0 if failure is not None else 0.0, n, -n, signature, -signature], dtype=torch.float64)
+    collectives.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
+    failed, aux_differs = flags[0].item() > 0, flags[1].item() != -flags[2].item() or flags[3].item() != -flags[4].item()
+    if not failed and not aux_differs:
+        return
+    message = f"{type(failure).__name__}: {failure}" if failure is not None else None
+    messages = [message]
+    if collectives.world_size(group) > 1:
+        messages = [None] * collectives.world_size(group)
+        torch.distributed.all_gather_object(messages, (message, aux_names), group=group)
+    else:
+        messages = [(message, aux_names)]
+    bad = [(r, m) for r, (m, _) in enumerate(messages) if m is not None]
+    if bad:
+        r, m = bad[0]
+        raise RankError(f"train_step failed on rank {r}: {m}") from failure
+    names = {r: a for r, (_, a) in enumerate(messages)}
+    raise RankError(f"train_step: the ranks' loss_fn returned different aux losses: {names}; every rank must "
+                    f"return the same aux names (return 0 for a term a rank does not have).")
+
+
 def canonical_lr(param_groups: Sequence[dict]) -> float:
     """The lr of the first group that follows the default schedule (what Megatron-LM logs)."""
     for group in param_groups:
@@ -100,8 +128,6 @@ def train_step(
         raise ValueError(f"loss_mode must be one of {LOSS_MODES}, got {loss_mode!r}.")
     if not isinstance(model, DistributedDataParallel):
         raise TypeError("train_step needs the megatron_opt.DistributedDataParallel-wrapped model.")
-    if not microbatches:
-        raise ValueError("train_step needs at least one micro-batch.")
     if loss_mode == "per_token" and model.ddp_config.average_in_collective:
         raise ValueError("per-token loss needs SUM reductions: set DistributedDataParallelConfig."
                          "average_in_collective=False (the 1/N normalisation replaces the average).")
@@ -110,40 +136,59 @@ def train_step(
     model.zero_grad_buffer()
     optimizer.zero_grad()
 
+    # Every rank reaches _agree() before the last backward, whatever failed before it, so one rank's
+    # error (a bad micro-batch, a loss_fn raising, no micro-batches at all) is every rank's error
+    # instead of a rank waiting in a collective the failed one never joins.
     aux_names: Optional[list[str]] = None
-    totals: Optional[torch.Tensor] = None  # [denominator, loss sum, aux sums...], local to this rank
+    totals: Optional[torch.Tensor] = None  # [denominator, samples, loss sum, aux sums...], local to this rank
+    failure: Optional[BaseException] = None
     handle = None
     last = len(microbatches) - 1
-    for i, batch in enumerate(microbatches):
-        sync = contextlib.nullcontext() if i == last else model.no_sync()
-        with sync:
-            loss, count, aux = _split_loss_output(loss_fn(model, batch), loss_mode)
-            if aux_names is None:
-                aux_names = sorted(aux)
-                totals = torch.zeros(2 + len(aux_names), dtype=torch.float64, device=device)
-            if sorted(aux) != aux_names:
-                raise ValueError(f"micro-batch {i} returned aux losses {sorted(aux)}, earlier ones {aux_names}.")
-            terms = [loss] + [aux[name] for name in aux_names]
-            denominator = count if loss_mode == "per_token" else torch.ones(())
-            totals += torch.stack([denominator.to(device, torch.float64)] +
-                                  [t.detach().to(device, torch.float64).reshape(()) for t in terms])
-            if i == last:  # all counts are known: overlap the one all-reduce with the last backward
-                handle = collectives.all_reduce(totals, dp_group, async_op=True)
-            optimizer.scale_loss(sum(terms)).backward()
+    count_samples = scheduler is not None and samples_per_step is None
+    try:
+        if not microbatches:
+            raise ValueError("train_step needs at least one micro-batch on every rank (this rank got none).")
+        for i, batch in enumerate(microbatches):
+            sync = contextlib.nullcontext() if i == last else model.no_sync()
+            with sync:
+                loss, count, aux = _split_loss_output(loss_fn(model, batch), loss_mode)
+                if aux_names is None:
+                    aux_names = sorted(aux)
+                    totals = torch.zeros(3 + len(aux_names), dtype=torch.float64, device=device)
+                if sorted(aux) != aux_names:
+                    raise ValueError(f"micro-batch {i} returned aux losses {sorted(aux)}, earlier ones {aux_names}.")
+                terms = [loss] + [aux[name] for name in aux_names]
+                denominator = count if loss_mode == "per_token" else torch.ones(())
+                totals += torch.stack([denominator.to(device, torch.float64),
+                                       torch.tensor(float(_batch_size(batch)) if count_samples else 0.0,
+                                                    dtype=torch.float64, device=device)] +
+                                      [t.detach().to(device, torch.float64).reshape(()) for t in terms])
+                if i == last:
+                    _agree(dp_group, None, aux_names)
+                    # all counts are known: overlap the one all-reduce with the last backward
+                    handle = collectives.all_reduce(totals, dp_group, async_op=True)
+                optimizer.scale_loss(sum(terms)).backward()
+    except RankError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (re-raised on every rank by _agree)
+        if handle is not None:
+            raise  # the last backward failed: the other ranks are already reducing (documented)
+        failure = exc
+        _agree(dp_group, exc, aux_names)
     handle.wait()
     denominator = totals[0].clamp(min=1.0)  # only the global count is clamped
     model.set_grad_scale_factor(denominator.reciprocal().float())
 
     success, grad_norm, num_zeros = optimizer.step()
     if success and scheduler is not None:
-        if samples_per_step is None:
-            samples_per_step = collectives.world_size(dp_group) * sum(_batch_size(b) for b in microbatches)
-        scheduler.step(increment=samples_per_step)
+        # The global sample count, summed over the ranks in the all-reduce above: ranks whose
+        # micro-batches differ in size still advance their schedulers identically.
+        scheduler.step(increment=samples_per_step if samples_per_step is not None else int(totals[1].item()))
     # One host read for the report (the optimizer already synchronised once for its decision).
     values = torch.cat([totals, optimizer.get_loss_scale().to(totals).reshape(1)]).tolist()
     reason = getattr(optimizer, "last_skip_reason", None)
     return TrainStepResult(
-        loss=values[1] / max(values[0], 1.0),
+        loss=values[2] / max(values[0], 1.0),
         success=success,
         grad_norm=grad_norm,
         num_zeros=num_zeros,
@@ -152,5 +197,5 @@ def train_step(
         skipped_steps=getattr(optimizer, "skipped_steps", 0),
         num_tokens=int(values[0]),
         skip_reason=None if success or reason is None else str(reason.value),
-        aux_losses={name: values[2 + k] / max(values[0], 1.0) for k, name in enumerate(aux_names or [])},
+        aux_losses={name: values[3 + k] / max(values[0], 1.0) for k, name in enumerate(aux_names or [])},
     )

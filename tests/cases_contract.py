@@ -460,7 +460,7 @@ def fp16_trajectory_then_one_rank_overflow() -> dict:
 
 def norm_threshold_skip() -> dict:
     """grad_norm_skip_threshold: a step whose norm exceeds it is skipped like an overflow (nothing
-    changes, logged with its reason), and it still counts as a clean step for the loss scaler."""
+    changes, logged with its reason), and the loss scaler is left exactly as it was."""
     rank = dist.get_rank()
     model = TinyLM()
     ddp, opt = build(model, grad_norm_skip_threshold=1e-3, loss_scale=None)
@@ -475,5 +475,6 @@ def norm_threshold_skip() -> dict:
     finally:
         logging.getLogger("megatron_opt").removeHandler(capture)
     return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason, tracker=scaler.state_dict()["growth_tracker"],
+                scale=float(scaler.scale),
                 unchanged=torch.equal(before[0], after[0]) and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
                 log=capture.messages)

@@ -7,7 +7,8 @@
 The state is tied to the model chunks' ``step_id``: once any chunk starts a new step, the driver
 reads IDLE again, so there is one clock, not two. prepare_grads() finishes the gradient sync, runs
 pass 1 on every leaf, reduces the packed statistics with one all-reduce per group and one host
-read, and updates the loss scaler once (docs/contract.md rules 1-3). step() runs the whole
+read; the loss scaler is updated once per step: at once on an overflow, when the update is
+applied on a clean step, and not at all on a step skipped for its norm (docs/contract.md rules 1-3). step() runs the whole
 sequence once and returns (success, grad_norm, num_zeros). The driver owns the skip log.
 
 Leaves implement (see ShardGroup): ``sources``, ``accumulate_local_stats(stats, loss_scale,
@@ -117,8 +118,8 @@ class StepDriver:
                 f"step() was called on {result.missing_backward} rank(s) with no gradient since "
                 f"zero_grad_buffer(): run the forward and backward of the step's micro-batches first."
             )
-        if self.grad_scaler is not None:
-            self.grad_scaler.update(result.found_inf)  # once per step, after the global decision
+        if self.grad_scaler is not None and result.found_inf:
+            self.grad_scaler.update(True)  # an overflow: back off now. A clean step counts when it is applied.
         self._stats = result
         self._clip_coef = 1.0
         self._state = StepState.PREPARED
@@ -148,6 +149,10 @@ class StepDriver:
         if stats.found_inf:
             self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler) else SkipReason.NON_FINITE)
             return False
+        if self.grad_scaler is not None:
+            # Once per step, and only for a step that is applied: a step skipped for its norm
+            # (grad_norm_skip_threshold) leaves the scaler exactly as it was.
+            self.grad_scaler.update(False)
         with record_function("megatron_opt.pass2"):
             for leaf in self.leaves:
                 leaf.apply_update(self._clip_coef)

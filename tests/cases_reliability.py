@@ -1,0 +1,59 @@
+"""Worker-side cases for test_reliability.py: one rank's failure is every rank's error, ranks agree."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+import megatron_opt as mo
+from common import TinyLM, build, global_batch, token_loss_sum
+
+
+def _timed(fn) -> dict:
+    start = time.monotonic()
+    try:
+        fn()
+        error = None
+    except Exception as exc:  # noqa: BLE001  (the type is part of what is checked)
+        error = f"{type(exc).__name__}: {exc}"
+    return dict(rank=dist.get_rank(), error=error, seconds=time.monotonic() - start)
+
+
+def train_step_fault(fault: str, overlap: bool) -> dict:
+    """``fault`` happens on rank 1 only; every rank must raise RankError naming rank 1."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp, opt = build(model, overlap_grad=overlap, bucket_size=300 if overlap else None)
+    batches = global_batch(4, seed=1)[2 * rank : 2 * rank + 2]
+
+    def loss_fn(m, b):
+        if rank == 1 and fault == "raise_first" and b is batches[0]:
+            raise KeyError("token_ids")
+        if rank == 1 and fault == "raise_last" and b is batches[-1]:
+            raise KeyError("token_ids")
+        loss, n = token_loss_sum(m(b[0]), b[1])
+        if fault == "aux_one_rank" and rank == 1:
+            return loss, n, {"z_loss": loss * 0.0}
+        return loss, n
+
+    mbs = [] if (fault == "empty" and rank == 1) else batches
+    out = _timed(lambda: mo.train_step(ddp, opt, None, mbs, loss_fn))
+    # The ranks stay usable: a clean step afterwards works on every rank.
+    clean = lambda m, b: token_loss_sum(m(b[0]), b[1])  # noqa: E731
+    out["after"] = mo.train_step(ddp, opt, None, batches, clean).success
+    return out
+
+
+def scheduler_counts_global_samples() -> dict:
+    """Rank 0 has micro-batches of 1 sample, rank 1 of 3: both schedulers advance by 4 per micro-batch."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp, opt = build(model, optimizer="sgd", sgd_momentum=0.0)
+    sched = mo.OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-2, min_lr=0.0, lr_warmup_steps=100,
+                                       lr_decay_steps=1000, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                       wd_incr_steps=1, wd_incr_style="constant")
+    size = 1 if rank == 0 else 3
+    batches = [(x[:1].expand(size, -1), y[:1].expand(size, -1)) for x, y in global_batch(2, seed=3)]
+    res = mo.train_step(ddp, opt, sched, batches, lambda m, b: token_loss_sum(m(b[0]), b[1]))
+    return dict(num_steps=sched.num_steps, lr=res.lr)

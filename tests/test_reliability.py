@@ -1,0 +1,28 @@
+"""Ranks that fail alone or disagree: a clear error on every rank within a bound, never a hang."""
+from __future__ import annotations
+
+import pytest
+
+import cases_reliability as cr
+
+BOUND_S = 20
+
+
+@pytest.mark.parametrize("fault", ["raise_first", "raise_last", "empty", "aux_one_rank"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_train_step_failure_on_one_rank_raises_on_every_rank(pools, fault, overlap):
+    results = pools(2).run(cr.train_step_fault, fault, overlap, timeout=60)
+    for res in results:
+        assert res["error"] is not None and res["error"].startswith("RankError"), res
+        if fault == "aux_one_rank":
+            assert "different aux losses" in res["error"], res
+        else:
+            assert "on rank 1" in res["error"] and ("KeyError" in res["error"] or "got none" in res["error"]), res
+        assert res["seconds"] < BOUND_S, res
+        assert res["after"], "the next step must work on every rank"
+
+
+def test_scheduler_advances_by_the_global_sample_count(pools):
+    results = pools(2).run(cr.scheduler_counts_global_samples)
+    assert results[0]["num_steps"] == results[1]["num_steps"] == 2 * (1 + 3)
+    assert results[0]["lr"] == results[1]["lr"]
