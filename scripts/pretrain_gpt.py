@@ -14,16 +14,29 @@ Checkpoints (megatron_opt.checkpoint, Megatron-LM's flag names): ``--save DIR`` 
 ``--save-interval`` iterations and at the end; ``--load DIR`` resumes the model, optimizer, schedule,
 loss scale, iteration, RNG and data position (at any data-parallel size; the RNG and data position
 only at the same size), ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
+
+Hangs: every collective gives up after ``--distributed-timeout-minutes`` (default 10), and a watchdog
+ends a rank whose training step runs for more than max(``--watchdog-min-seconds``,
+``--watchdog-multiple`` x the median step time), so a stopped or hung peer never leaves the others
+waiting silently (exit code 3, with a message on stderr; ``--watchdog-multiple 0`` turns it off).
+Invalid flag values are rejected before any process group is created (exit code 2).
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import datetime
 import logging
 import math
 import os
 import pydoc
+import statistics
+import sys
+import threading
 import time
 import warnings
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -121,6 +134,63 @@ def gpt_mean_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor]:
     return (loss_sum / count.clamp(min=1),)
 
 
+# ----------------------------------------------------------------------------- watchdog
+class Watchdog:
+    """Ends this process when a training step runs far longer than the steps before it.
+
+    A rank waiting in a collective for a peer that is stopped, hung or gone would otherwise sit there
+    until the process group's timeout. Wrap each step in ``with watchdog.step(iteration):``. The first
+    ``warmup`` steps are neither timed nor watched; from then on a daemon thread checks the running
+    step and, once it has run longer than max(min_seconds, multiple x the median of the recent step
+    times), prints the rank, iteration, elapsed time and median to stderr and calls
+    ``os._exit(EXIT_CODE)``: no clean-up, since the main thread is the one that is stuck.
+    """
+
+    EXIT_CODE = 3
+
+    def __init__(self, rank: int, multiple: float, min_seconds: float, warmup: int = 3, window: int = 1000) -> None:
+        self.rank, self.multiple, self.min_seconds, self.warmup = rank, multiple, min_seconds, warmup
+        self.durations: collections.deque[float] = collections.deque(maxlen=window)
+        self.steps_seen = 0
+        self.current: tuple[int, float] | None = None  # (iteration, start time) of the watched step
+        self.lock = threading.Lock()
+        if multiple > 0:
+            threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def step(self, iteration: int) -> Iterator[None]:
+        start, watched = time.monotonic(), self.steps_seen >= self.warmup
+        with self.lock:
+            self.current = (iteration, start) if watched else None
+        try:
+            yield
+        finally:
+            with self.lock:
+                if watched:
+                    self.durations.append(time.monotonic() - start)
+                self.current = None
+            self.steps_seen += 1
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(max(0.1, min(1.0, self.min_seconds / 10)))
+            with self.lock:
+                if self.current is None:
+                    continue
+                (iteration, start), durations = self.current, list(self.durations)
+            median = statistics.median(durations) if durations else 0.0
+            elapsed, limit = time.monotonic() - start, max(self.min_seconds, self.multiple * median)
+            if elapsed > limit:
+                sys.stderr.write(
+                    f"\n[watchdog] rank {self.rank}: iteration {iteration} has been running for {elapsed:.1f} s, "
+                    f"longer than max(--watchdog-min-seconds {self.min_seconds:g}, --watchdog-multiple "
+                    f"{self.multiple:g} x median step time {median:.3f} s) = {limit:.1f} s. A peer rank is probably "
+                    f"stopped, hung or dead, or a collective is stuck. Exiting with code {self.EXIT_CODE} "
+                    f"(--watchdog-multiple 0 turns the watchdog off).\n")
+                sys.stderr.flush()
+                os._exit(self.EXIT_CODE)
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,7 +224,46 @@ def parse_args() -> argparse.Namespace:
     ck.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     ck.add_argument("--keep-latest-k", type=int, default=None, help="delete older checkpoints")
     ck.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and exit after this iteration")
-    return p.parse_args()
+    hang = p.add_argument_group("hangs")
+    hang.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                      help="timeout of every collective (default 10; gloo's own default is 30)")
+    hang.add_argument("--watchdog-multiple", type=float, default=20.0,
+                      help="exit (code 3) when a step runs longer than this many median step times "
+                           "and --watchdog-min-seconds; 0 disables the watchdog (default 20)")
+    hang.add_argument("--watchdog-min-seconds", type=float, default=60.0,
+                      help="never fire before a step has run this long (default 60)")
+    args = p.parse_args()
+    check_args(p, args)
+    return args
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject invalid flag values with parser.error (exit code 2), before any process group exists."""
+    for flag in ("steps", "micro_batch_size", "num_microbatches", "seq_len", "hidden", "layers", "heads",
+                 "distributed_timeout_minutes"):
+        if getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    for flag in ("save_interval", "exit_interval", "keep_latest_k", "bucket_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}: each head gets hidden/heads "
+                f"channels; pick --heads that divides --hidden (or a --hidden that is a multiple of --heads)")
+    if not 0 <= args.warmup_steps < args.steps:
+        p.error(f"--warmup-steps {args.warmup_steps} must be >= 0 and less than --steps {args.steps} (the LR warms "
+                f"up over --warmup-steps iterations, then decays until --steps); lower --warmup-steps or raise --steps")
+    if not (math.isfinite(args.lr) and math.isfinite(args.min_lr) and 0 <= args.min_lr <= args.lr):
+        p.error(f"need 0 <= --min-lr <= --lr (both finite), got --lr {args.lr:g} and --min-lr {args.min_lr:g}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        p.error(f"--weight-decay must be a finite number >= 0, got {args.weight_decay:g}")
+    if not (math.isfinite(args.initial_loss_scale) and args.initial_loss_scale >= 1):
+        p.error(f"--initial-loss-scale must be a finite number >= 1 (the minimum loss scale), got "
+                f"{args.initial_loss_scale:g}; fp16 training usually starts at a power of two such as 65536")
+    if not (math.isfinite(args.watchdog_multiple) and args.watchdog_multiple >= 0):
+        p.error(f"--watchdog-multiple must be a finite number >= 0 (0 disables the watchdog), "
+                f"got {args.watchdog_multiple:g}")
+    if not (math.isfinite(args.watchdog_min_seconds) and args.watchdog_min_seconds > 0):
+        p.error(f"--watchdog-min-seconds must be a positive number of seconds, got {args.watchdog_min_seconds:g}")
 
 
 def main() -> None:
@@ -163,8 +272,10 @@ def main() -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group("nccl" if use_cuda else "gloo",
+                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
+    watchdog = Watchdog(rank, args.watchdog_multiple, args.watchdog_min_seconds)
     device = torch.device("cuda") if use_cuda else torch.device("cpu")
     if rank != 0:  # every rank makes the same skip decision; let rank 0 report it
         logging.getLogger("megatron_opt").setLevel(logging.ERROR)
@@ -224,12 +335,13 @@ def main() -> None:
     for step in range(start_iteration + 1, args.steps + 1):
         batches = [tuple(t.to(device) for t in dataset.microbatch(args.micro_batch_size))
                    for _ in range(args.num_microbatches)]
-        start = time.perf_counter()
-        result = mo.train_step(ddp, optimizer, scheduler, batches, loss_fn, loss_mode=args.loss_mode,
-                               samples_per_step=samples_per_step)
-        if use_cuda:
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
+        with watchdog.step(step):  # checkpoint saves are not watched (the collective timeout covers them)
+            start = time.perf_counter()
+            result = mo.train_step(ddp, optimizer, scheduler, batches, loss_fn, loss_mode=args.loss_mode,
+                                   samples_per_step=samples_per_step)
+            if use_cuda:
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
         first_loss = result.loss if first_loss is None else first_loss
         last_loss = result.loss if result.success else last_loss
         if rank == 0:

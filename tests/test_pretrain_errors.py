@@ -1,0 +1,210 @@
+"""scripts/pretrain_gpt.py: invalid flags fail early with a message naming the flag, and the step
+watchdog ends a rank whose peer has stopped instead of letting it wait for the collective timeout.
+
+Flag checks run in this process (parse_args of the imported script, which is what the script runs
+first) and, for a few, through the real command line: plain python and torchrun. The watchdog test
+runs 2 ranks under torchrun, SIGSTOPs rank 1 once training is under way and expects rank 0 to exit
+with the watchdog's code and message within --watchdog-min-seconds plus some slack.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pretrain_gpt = _load_script()
+
+# (flags, strings stderr must contain)
+BAD = [
+    (["--heads", "3"], ["--hidden 128", "--heads 3", "not divisible"]),
+    (["--hidden", "30", "--heads", "4"], ["--hidden 30", "--heads 4"]),
+    (["--steps", "3"], ["--warmup-steps 5", "--steps 3", "lower --warmup-steps or raise --steps"]),
+    (["--steps", "10", "--warmup-steps", "-1"], ["--warmup-steps -1"]),
+    (["--fp16", "--initial-loss-scale", "inf"], ["--initial-loss-scale", "got inf"]),
+    (["--fp16", "--initial-loss-scale", "nan"], ["--initial-loss-scale", "got nan"]),
+    (["--fp16", "--initial-loss-scale", "0"], ["--initial-loss-scale", "got 0"]),
+    (["--fp16", "--initial-loss-scale", "-8"], ["--initial-loss-scale", "got -8"]),
+    (["--steps", "0"], ["--steps must be a positive integer, got 0"]),
+    (["--steps", "-5"], ["--steps must be a positive integer, got -5"]),
+    (["--micro-batch-size", "0"], ["--micro-batch-size must be a positive integer"]),
+    (["--num-microbatches", "0"], ["--num-microbatches must be a positive integer"]),
+    (["--seq-len", "0"], ["--seq-len must be a positive integer"]),
+    (["--hidden", "0"], ["--hidden must be a positive integer"]),
+    (["--layers", "0"], ["--layers must be a positive integer"]),
+    (["--heads", "0"], ["--heads must be a positive integer"]),
+    (["--save-interval", "0"], ["--save-interval must be a positive integer"]),
+    (["--exit-interval", "0"], ["--exit-interval must be a positive integer"]),
+    (["--exit-interval", "-2"], ["--exit-interval must be a positive integer, got -2"]),
+    (["--keep-latest-k", "0"], ["--keep-latest-k must be a positive integer"]),
+    (["--bucket-size", "0"], ["--bucket-size must be a positive integer"]),
+    (["--lr", "1e-4", "--min-lr", "1e-3"], ["--min-lr", "--lr"]),
+    (["--lr", "nan"], ["--lr nan"]),
+    (["--weight-decay", "-0.1"], ["--weight-decay"]),
+    (["--distributed-timeout-minutes", "0"], ["--distributed-timeout-minutes must be a positive integer"]),
+    (["--watchdog-multiple", "-1"], ["--watchdog-multiple"]),
+    (["--watchdog-multiple", "inf"], ["--watchdog-multiple"]),
+    (["--watchdog-min-seconds", "0"], ["--watchdog-min-seconds"]),
+]
+
+
+@pytest.mark.parametrize("flags, expected", BAD, ids=[" ".join(f) for f, _ in BAD])
+def test_invalid_flag_is_a_parser_error(monkeypatch, capsys, flags, expected):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+    with pytest.raises(SystemExit) as exc:
+        pretrain_gpt.parse_args()
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "pretrain_gpt.py: error:" in err
+    for text in expected:
+        assert text in err, err
+
+
+def test_valid_flags_pass(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *SMALL, "--steps", "6", "--warmup-steps", "0", "--fp16",
+                                      "--initial-loss-scale", "1", "--save-interval", "1", "--exit-interval", "3",
+                                      "--watchdog-multiple", "0", "--distributed-timeout-minutes", "1"])
+    args = pretrain_gpt.parse_args()
+    assert args.watchdog_multiple == 0 and args.distributed_timeout_minutes == 1
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])  # the README command's defaults
+    args = pretrain_gpt.parse_args()
+    assert (args.distributed_timeout_minutes, args.watchdog_multiple, args.watchdog_min_seconds) == (10, 20, 60)
+
+
+def test_command_line_errors_exit_early():
+    """The real command lines: plain python, and torchrun (the rank exits 2 before any process group)."""
+    out = subprocess.run([sys.executable, SCRIPT, "--fp16", "--initial-loss-scale", "inf"], capture_output=True,
+                         text=True, timeout=120, env=ENV, cwd=ROOT)
+    assert out.returncode == 2 and "--initial-loss-scale" in out.stderr, out.stderr[-3000:]
+    assert "TypeError" not in out.stderr and "Traceback" not in out.stderr
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=1", SCRIPT, "--heads", "3"], capture_output=True, text=True,
+                         timeout=120, env=ENV, cwd=ROOT)
+    assert out.returncode != 0, out.stderr[-3000:]
+    assert "error: --hidden 128 is not divisible by --heads 3" in out.stderr, out.stderr[-3000:]
+    assert "RuntimeError" not in out.stderr and "is invalid for input of size" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- watchdog
+MIN_SECONDS, MULTIPLE, SLACK_S = 5, 3, 15
+START_TIMEOUT_S = 90
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat from field 3 (state) on: [0] state, [1] ppid, [19] start time."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _children_by_rank(launcher_pid: int) -> dict[int, tuple[int, str]]:
+    """RANK -> (pid, start time) of the launcher's worker processes (read from /proc)."""
+    workers = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = _stat(int(entry))
+            if int(stat[1]) != launcher_pid:
+                continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, IndexError, ValueError):
+            continue
+        if b"RANK" in env:
+            workers[int(env[b"RANK"])] = (int(entry), stat[19])
+    return workers
+
+
+def _kill_workers(workers: dict[int, tuple[int, str]]) -> None:
+    """SIGCONT + SIGKILL each worker that is still the process we found (same start time, so never a
+    reused pid). torchrun starts its workers in sessions of their own: killing its group misses them."""
+    for pid, started in workers.values():
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                if _stat(pid)[19] == started:
+                    os.kill(pid, sig)
+            except (OSError, IndexError):
+                pass
+
+
+def _running(pid: int) -> bool:
+    """False once the process is gone or a zombie (it has exited; its parent has not reaped it yet)."""
+    try:
+        return _stat(pid)[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+@pytest.mark.timeout(240)
+def test_watchdog_ends_a_rank_whose_peer_is_stopped(tmp_path):
+    cmd = [*TORCHRUN, "--nproc_per_node=2", SCRIPT, *SMALL, "--steps", "100000", "--warmup-steps", "1",
+           "--watchdog-min-seconds", str(MIN_SECONDS), "--watchdog-multiple", str(MULTIPLE)]
+    stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
+    with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=ENV, cwd=ROOT, start_new_session=True)
+    logs = lambda: stdout_path.read_text()[-2000:] + stderr_path.read_text()[-4000:]  # noqa: E731
+    workers: dict[int, tuple[int, str]] = {}
+    try:
+        # Rank 0 prints every step; wait until the watchdog is past its warm-up and watching.
+        assert _wait_for(lambda: "step    8 |" in stdout_path.read_text() or proc.poll() is not None,
+                         START_TIMEOUT_S, 0.2), "training did not start:\n" + logs()
+        assert proc.poll() is None, "the job ended early:\n" + logs()
+        workers = _children_by_rank(proc.pid)
+        assert sorted(workers) == [0, 1], (workers, logs())
+        (rank0, _), (rank1, _) = workers[0], workers[1]
+
+        os.kill(rank1, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        exited = _wait_for(lambda: not _running(rank0), MIN_SECONDS + SLACK_S)
+        waited = time.monotonic() - stopped_at
+        assert exited, f"rank 0 still running {waited:.0f} s after rank 1 was stopped (no watchdog?):\n" + logs()
+
+        os.kill(rank1, signal.SIGCONT)  # let the launcher tear the job down
+        returncode = proc.wait(timeout=90)
+        err = stderr_path.read_text()
+        assert returncode != 0, logs()
+        match = re.search(r"\[watchdog\] rank 0: iteration (\d+) has been running for ([\d.]+) s, longer than "
+                          r"max\(--watchdog-min-seconds 5, --watchdog-multiple 3 x median step time ([\d.]+) s\) "
+                          r"= ([\d.]+) s\..*Exiting with code 3", err)
+        assert match, logs()
+        iteration, elapsed, median, limit = int(match[1]), float(match[2]), float(match[3]), float(match[4])
+        assert iteration > 8 and abs(limit - max(MIN_SECONDS, MULTIPLE * median)) < 0.1, match[0]
+        assert limit <= elapsed < limit + 2, match[0]
+        # torchrun's failure report names rank 0 with the watchdog's exit code
+        assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*3\b", err), logs()
+        print(f"rank 0 exited {waited:.1f} s after SIGSTOP of rank 1 (iteration {iteration}, median {median:.3f} s)")
+    finally:
+        _kill_workers({**(_children_by_rank(proc.pid) if proc.poll() is None else {}), **workers})
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
