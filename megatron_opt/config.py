@@ -2,7 +2,9 @@
 
 Fields that Megatron-LM has but megatron_opt does not implement are present (so Megatron launch code
 that sets them keeps working when they hold their defaults) and raise a clear error when set to
-anything else: nothing is silently ignored.
+anything else (UnsupportedConfigError): nothing is silently ignored. Numeric fields are range-checked
+at construction as torch.optim checks its arguments (InvalidConfigError naming the field, the value
+and the valid range): a NaN, negative or out-of-range value would otherwise train silently wrong.
 """
 from __future__ import annotations
 
@@ -15,6 +17,46 @@ import torch
 
 
 from .errors import ConfigError, InvalidConfigError, UnsupportedConfigError  # noqa: F401  (re-exported)
+
+
+_INF = math.inf
+
+
+def _fmt_bound(bound: Any) -> str:
+    """A range end as a person writes it: 0 not 0.0, inf, or a label such as 'lr=0.001'."""
+    if isinstance(bound, str):
+        return bound
+    if isinstance(bound, float) and bound.is_integer():
+        return str(int(bound))
+    return str(bound)
+
+
+def _check_range(owner: str, name: str, value: Any, low: Any, high: Any, *, low_open: bool = False,
+                 high_open: bool = True, high_label: Optional[str] = None, integer: bool = False,
+                 hint: str = "") -> None:
+    """Raise InvalidConfigError unless ``value`` is a real number in the interval (NaN never is).
+
+    ``low``/``high`` are the numeric ends and ``*_open`` excludes them, so ``high=inf`` with
+    ``high_open=True`` also rejects inf; ``high_label`` replaces ``high`` in the message when the
+    bound is another field (``lr=0.001``). Strings are rejected even when float() would parse them.
+    """
+    interval = (f"{'(' if low_open else '['}{_fmt_bound(low)}, "
+                f"{high_label or _fmt_bound(high)}{')' if high_open else ']'}")
+    what = f"an integer in {interval}" if integer else f"in {interval}"
+    number: Optional[float] = None
+    if not isinstance(value, (str, bytes)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+            pass
+    if number is None:
+        raise InvalidConfigError(f"{owner}.{name}={value!r} is not a number: it must be {what}.")
+    ok = (low < number if low_open else low <= number) and (number < high if high_open else number <= high)
+    if ok and integer:
+        ok = not isinstance(value, bool) and number.is_integer()
+    if not ok:
+        raise InvalidConfigError(f"{owner}.{name}={value!r} is out of range: it must be {what}"
+                                 f"{f' ({hint})' if hint else ''}.")
 
 
 def _reject_unsupported(config: Any, unsupported: dict[str, Any], why: dict[str, str]) -> None:
@@ -72,14 +114,19 @@ class DistributedDataParallelConfig:
     }
 
     def __post_init__(self) -> None:
+        # Invalid values first (InvalidConfigError), then valid-but-unsupported ones (UnsupportedConfigError).
+        owner = type(self).__name__
+        _check_range(owner, "num_distributed_optimizer_instances", self.num_distributed_optimizer_instances,
+                     1, _INF, integer=True)
+        if self.bucket_size is not None:
+            _check_range(owner, "bucket_size", self.bucket_size, 0, _INF, low_open=True, integer=True,
+                         hint="a bucket's element count; None lets megatron_opt choose")
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UnsupportedConfigError(
                 "overlap_param_gather=True needs use_distributed_optimizer=True (only the sharded "
                 "optimizer all-gathers params)."
             )
-        if self.bucket_size is not None and self.bucket_size <= 0:
-            raise InvalidConfigError(f"bucket_size must be a positive element count or None, got {self.bucket_size}.")
 
 
 @dataclass
@@ -147,19 +194,55 @@ class OptimizerConfig:
     }
 
     def __post_init__(self) -> None:
+        # Invalid values first (InvalidConfigError), then valid-but-unsupported ones (UnsupportedConfigError).
+        if self.lr is None:
+            raise InvalidConfigError("OptimizerConfig.lr must be set (the peak learning rate).")
+        if self.grad_norm_skip_threshold == _INF:
+            self.grad_norm_skip_threshold = None  # Megatron's default 'inf' means off (-inf is invalid).
+        self._check_ranges()
+        if self.fp16 and self.bf16:
+            raise InvalidConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
         if self.optimizer not in ("adam", "sgd", "lion"):
             raise UnsupportedConfigError(
                 f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam', 'sgd' or 'lion'."
             )
-        if self.fp16 and self.bf16:
-            raise InvalidConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
-        if self.lr is None:
-            raise InvalidConfigError("OptimizerConfig.lr must be set (the peak learning rate).")
-        if self.grad_norm_skip_threshold is not None and math.isinf(self.grad_norm_skip_threshold):
-            self.grad_norm_skip_threshold = None  # Megatron's default 'inf' means off.
-        if self.loss_scale is not None and self.loss_scale <= 0:
-            raise InvalidConfigError(f"OptimizerConfig.loss_scale must be positive, got {self.loss_scale}.")
+
+    def _check_ranges(self) -> None:
+        """Reject values torch.optim would reject, and those that silently train wrong (like torch.optim,
+        every bound excludes NaN; a finite bound also excludes inf)."""
+        owner = type(self).__name__
+
+        def check(name: str, low: Any, high: Any, **kw: Any) -> None:
+            value = getattr(self, name)
+            if value is not None:
+                _check_range(owner, name, value, low, high, **kw)
+
+        check("lr", 0, _INF, hint="a negative lr trains in the wrong direction")
+        check("min_lr", 0, self.lr, high_open=False, high_label=f"lr={self.lr!r}")
+        check("decoupled_lr", 0, _INF)
+        if self.decoupled_lr is not None:
+            check("decoupled_min_lr", 0, self.decoupled_lr, high_open=False,
+                  high_label=f"decoupled_lr={self.decoupled_lr!r}")
+        else:
+            check("decoupled_min_lr", 0, _INF)
+        check("weight_decay", 0, _INF)
+        check("adam_beta1", 0, 1)
+        check("adam_beta2", 0, 1, hint="adam_beta2=1 divides by zero in the bias correction")
+        check("adam_eps", 0, _INF)
+        check("sgd_momentum", 0, 1)
+        check("lion_beta1", 0, 1, high_open=False)
+        check("lion_beta2", 0, 1, high_open=False)
+        check("clip_grad", 0, _INF, high_open=False, hint="0 turns gradient clipping off")
+        check("grad_norm_skip_threshold", 0, _INF, hint="None or inf turns the check off")
+        check("loss_scale", 0, _INF, low_open=True,
+              hint="a constant loss scale; None selects dynamic scaling for fp16")
+        check("initial_loss_scale", 0, _INF, low_open=True)
+        check("min_loss_scale", 0, self.initial_loss_scale, low_open=True, high_open=False,
+              high_label=f"initial_loss_scale={self.initial_loss_scale!r}")
+        check("loss_scale_window", 1, _INF, hint="clean steps before the dynamic loss scale grows")
+        check("hysteresis", 1, _INF, integer=True, hint="overflowing steps before the loss scale backs off")
+        check("optimizer_offload_fraction", 0, 1, high_open=False)
 
     @property
     def model_dtype(self) -> torch.dtype:

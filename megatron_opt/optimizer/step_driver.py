@@ -27,6 +27,7 @@ from ..distributed.shard_view import GradSource
 from ..errors import StepOrderError
 from . import stats as grad_stats
 from .grad_scaler import DynamicGradScaler, MegatronGradScaler
+from .hyperparams import check_param_groups
 
 logger = logging.getLogger("megatron_opt")
 
@@ -149,6 +150,8 @@ class StepDriver:
         if stats.found_inf:
             self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler) else SkipReason.NON_FINITE)
             return False
+        for leaf in self.leaves:  # lr / weight decay as a scheduler or the user left them, before any change
+            check_param_groups(leaf.param_groups)
         if self.grad_scaler is not None:
             # Once per step, and only for a step that is applied: a step skipped for its norm
             # (grad_norm_skip_threshold) leaves the scaler exactly as it was.
