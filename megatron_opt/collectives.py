@@ -142,3 +142,30 @@ def raise_together(fn, group: ProcessGroup = None, what: str = "", error_type: t
         where = f" on rank {r}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
         raise error_type(f"{what} failed{where}: {message}" if what else f"failed{where}: {message}")
     return result
+
+
+def check_ranks_agree(what: str, fingerprint: list, group: ProcessGroup = None, local_error: Optional[str] = None,
+                      fix: str = "", error_type: type = ValueError) -> None:
+    """One all_gather_object of (local error, fingerprint) over ``group``. A local error on any rank,
+    or any rank whose fingerprint (a list of (item, value) pairs) differs from rank 0's, raises
+    ``error_type`` on every rank, naming the rank and the first differing item."""
+    mine = (local_error, list(fingerprint))
+    everyone = [mine]
+    if world_size(group) > 1:
+        everyone = [None] * world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    for r, (err, _) in enumerate(everyone):
+        if err is not None:
+            raise error_type(f"{what}: rank {r}: {err}")
+    reference = everyone[0][1]
+    for r, (_, other) in enumerate(everyone[1:], start=1):
+        if other == reference:
+            continue
+        for (key_a, val_a), (key_b, val_b) in zip(reference, other):
+            if key_a != key_b or val_a != val_b:
+                detail = (f"{key_a} is {val_a!r} on rank 0 but {val_b!r} on rank {r}" if key_a == key_b
+                          else f"item {key_a!r} on rank 0 is {key_b!r} on rank {r}")
+                break
+        else:
+            detail = f"rank 0 has {len(reference)} items, rank {r} has {len(other)}"
+        raise error_type(f"{what}: the ranks disagree: {detail}. {fix}".rstrip())

@@ -57,3 +57,39 @@ def scheduler_counts_global_samples() -> dict:
     batches = [(x[:1].expand(size, -1), y[:1].expand(size, -1)) for x, y in global_batch(2, seed=3)]
     res = mo.train_step(ddp, opt, sched, batches, lambda m, b: token_loss_sum(m(b[0]), b[1]))
     return dict(num_steps=sched.num_steps, lr=res.lr)
+
+
+def ddp_mismatch(kind: str) -> dict:
+    """Rank 1 wraps something different from rank 0; every rank must raise naming the difference."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    cfg = dict(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    if rank == 1:
+        if kind == "reshaped":
+            model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().reshape(4, 64))
+        elif kind == "order":
+            model = torch.nn.Sequential(*reversed(list(TinyLM().children())))
+        elif kind == "dtype":
+            model.norm.to(torch.bfloat16)
+        elif kind == "float64":
+            model.norm.double()
+        elif kind == "bucket_size":
+            cfg["bucket_size"] = 1000
+        elif kind == "distributed_optimizer":
+            cfg["use_distributed_optimizer"] = False
+    return _timed(lambda: mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(**cfg)))
+
+
+def param_changed_after_wrapping(kind: str) -> dict:
+    model = TinyLM()
+    ddp, opt = build(model)
+    if kind == "to_bf16":
+        model.to(torch.bfloat16)
+    elif kind == "assign":
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    elif kind == "freeze":
+        model.fc.weight.requires_grad_(False)
+    elif kind == "wrap_twice":
+        return _timed(lambda: mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig()))
+    batches = global_batch(2 * dist.get_world_size(), seed=1)[dist.get_rank() * 2 : dist.get_rank() * 2 + 2]
+    return _timed(lambda: mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1])))

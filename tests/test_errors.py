@@ -9,7 +9,7 @@ from common import TinyLM, build
 
 def test_unsupported_param_dtype_names_the_param():
     model = torch.nn.Linear(4, 4).double()
-    with pytest.raises(TypeError, match=r"param 'weight' has dtype torch.float64.*Cast the module"):
+    with pytest.raises(ValueError, match=r"param 'weight' has dtype torch.float64.*Cast the module"):
         mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
 
 

@@ -26,3 +26,23 @@ def test_scheduler_advances_by_the_global_sample_count(pools):
     results = pools(2).run(cr.scheduler_counts_global_samples)
     assert results[0]["num_steps"] == results[1]["num_steps"] == 2 * (1 + 3)
     assert results[0]["lr"] == results[1]["lr"]
+
+
+@pytest.mark.parametrize("kind, expect", [("reshaped", "trainable param"), ("order", "trainable param"),
+                                          ("dtype", "trainable param"), ("float64", "dtype torch.float64"),
+                                          ("bucket_size", "ddp_config.bucket_size"),
+                                          ("distributed_optimizer", "ddp_config.use_distributed_optimizer")])
+def test_ranks_that_wrap_different_things_raise_at_construction(pools, kind, expect):
+    for res in pools(2).run(cr.ddp_mismatch, kind, timeout=60):
+        assert res["error"] is not None and expect in res["error"] and "rank 1" in res["error"], res
+        assert res["seconds"] < BOUND_S
+
+
+@pytest.mark.parametrize("kind, expect", [("to_bf16", "no longer lives in megatron_opt's buffer"),
+                                          ("assign", "is not the param that was wrapped"),
+                                          ("freeze", "requires_grad set to False"),
+                                          ("wrap_twice", "already wrapped")])
+def test_params_changed_after_wrapping_are_caught(pools, kind, expect):
+    for res in pools(2).run(cr.param_changed_after_wrapping, kind, timeout=60):
+        assert res["error"] is not None and expect in res["error"], res
+        assert res["seconds"] < BOUND_S

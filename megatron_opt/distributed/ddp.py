@@ -8,11 +8,13 @@ multiplied by, and the optimizer folds it into the one unscale scalar of its two
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator, Optional, Union
 
 import torch
 
 from ..config import DistributedDataParallelConfig
+from ..errors import StepOrderError
 from .. import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
 from .layout import build_buffer_layout
@@ -34,11 +36,22 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp_config = ddp_config or DistributedDataParallelConfig()
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
+        self._check_membership(data_parallel_group, "data_parallel_group")
+        self._check_membership(expert_data_parallel_group, "expert_data_parallel_group")
         self.dp_size = collectives.world_size(data_parallel_group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("DistributedDataParallel: the module has no parameter with requires_grad=True.")
-        self._check_params(named)
+        local_error = None
+        try:
+            self._check_params(named)
+        except ValueError as exc:
+            local_error = str(exc)
+        # One collective: a bad param on one rank, or ranks that wrap different models or configs,
+        # raise on every rank here instead of hanging or training different params later.
+        collectives.check_ranks_agree(
+            "DistributedDataParallel", self._fingerprint(named), data_parallel_group, local_error,
+            fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
+                "requires_grad) with the same DistributedDataParallelConfig.")
+        self._built_distributed = torch.distributed.is_initialized()
         self.buffers = self._build_buffers(named)
         self._buffer_of = {id(p): buf for buf in self.buffers for p in buf.params}
         self._step_id = 0  # advanced by zero_grad_buffer(): lets the optimizer tell steps apart
@@ -50,20 +63,43 @@ class DistributedDataParallel(torch.nn.Module):
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
         self._base_grad_scale = 1.0 / self.dp_size
         self.grad_scale_factor = torch.full((1,), self._base_grad_scale, dtype=torch.float32, device=named[0][1].device)
+        self._storage = {id(p): (p.data_ptr(), p.dtype) for _, p in named}
         for _, p in named:
+            p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
         if self.ddp_config.overlap_param_gather:
             self._register_forward_pre_hooks()
 
     # ----------------------------------------------------------------- construction
     @staticmethod
+    def _check_membership(group: Optional[torch.distributed.ProcessGroup], what: str) -> None:
+        if group is not None and torch.distributed.is_initialized() and torch.distributed.get_rank(group) < 0:
+            raise ValueError(f"DistributedDataParallel: this rank ({torch.distributed.get_rank()}) is not a member of "
+                             f"the {what} it was given; pass the group that contains this rank.")
+
+    def _fingerprint(self, named: list) -> list:
+        items: list = [(f"trainable param {i}", (n, tuple(p.shape), str(p.dtype))) for i, (n, p) in enumerate(named)]
+        items.append(("number of trainable params", len(named)))
+        items += [(f"ddp_config.{f.name}", getattr(self.ddp_config, f.name))
+                  for f in dataclasses.fields(self.ddp_config)]
+        items.append(("data-parallel size", self.dp_size))
+        return items
+
+    @staticmethod
     def _check_params(named: list) -> None:
+        if not named:
+            raise ValueError("DistributedDataParallel: the module has no parameter with requires_grad=True.")
+        wrapped = [n for n, p in named if getattr(p, "_megatron_opt_wrapped", False)]
+        if wrapped:
+            raise ValueError(f"DistributedDataParallel: param '{wrapped[0]}' is already wrapped by another "
+                             f"DistributedDataParallel; wrap each module once (two wrappers would each re-point "
+                             f"the param into their own buffer).")
         devices = {p.device for _, p in named}
         if len(devices) != 1:
             raise ValueError(f"DistributedDataParallel: all trainable params must be on one device, got {devices}.")
         for name, p in named:
             if p.dtype not in SUPPORTED_PARAM_DTYPES:
-                raise TypeError(
+                raise ValueError(
                     f"param '{name}' has dtype {p.dtype}; megatron_opt buffers hold float32, bfloat16 or "
                     f"float16 params. Cast the module (e.g. module.to(torch.bfloat16)) or freeze the param "
                     f"(requires_grad=False)."
@@ -227,8 +263,39 @@ class DistributedDataParallel(torch.nn.Module):
                     f"the data-parallel reduction. Inspect the loss and the inputs of this step."
                 )
 
+    def check_params_unchanged(self) -> None:
+        """Raise naming the param if the module changed under the wrapper: a param's storage is no
+        longer the buffer view (``.data`` reassigned, ``module.to(dtype)``, ``load_state_dict(assign=True)``),
+        its dtype changed, ``requires_grad`` was flipped, or the process group appeared after wrapping.
+        One pass over the params; zero_grad_buffer() calls it once per step."""
+        if not self._built_distributed and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            raise StepOrderError("DistributedDataParallel was built before init_process_group(), so its buffers are "
+                                 "not sharded or reduced over the data-parallel ranks; wrap the model after "
+                                 "torch.distributed.init_process_group().")
+        fix = ("Make such changes before wrapping (cast, load and freeze first), or copy values in place "
+               "(param.data.copy_(...), load_state_dict without assign=True).")
+        trainable = 0
+        for name, p in self.module.named_parameters():
+            expected = self._storage.get(id(p))
+            if expected is None:
+                if p.requires_grad:
+                    raise ValueError(f"param '{name}' is not the param that was wrapped: it was replaced (e.g. "
+                                     f"load_state_dict(assign=True), a new nn.Parameter) or became trainable after "
+                                     f"wrapping, so it is not in megatron_opt's buffers and would never be updated. {fix}")
+                continue
+            trainable += 1
+            if not p.requires_grad:
+                raise ValueError(f"param '{name}' had requires_grad set to False after wrapping; it is still in the "
+                                 f"buffers and the optimizer would keep updating it. {fix}")
+            if (p.data_ptr(), p.dtype) != expected:
+                raise ValueError(f"param '{name}' no longer lives in megatron_opt's buffer (its storage or dtype "
+                                 f"changed after wrapping: now {p.dtype}), so training would not change it. {fix}")
+        if trainable != len(self._storage):
+            raise ValueError(f"{len(self._storage) - trainable} wrapped param(s) are no longer in the module. {fix}")
+
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero every grad buffer, reset bucket state and the scale factor."""
+        self.check_params_unchanged()
         for buf in self.buffers:
             buf.zero_grad()
         self._launch_cursor = 0
