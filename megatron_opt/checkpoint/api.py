@@ -197,9 +197,10 @@ def resolve(path: Union[str, Path], iteration: Optional[int] = None) -> Path:
             raise FileNotFoundError(f"no checkpoint in {root}: no {directory.TRACKER} and no complete iter_* folder")
         iteration = complete[-1]
     folder = directory.iteration_dir(root, iteration)
-    if not (folder / directory.MANIFEST).exists():
+    found = directory.find_complete(folder)
+    if found is None:
         raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {directory.MANIFEST})")
-    return folder
+    return found
 
 
 def verify_files(folder: Path, manifest: dict[str, Any], rank: int = 0, world: int = 1) -> None:

@@ -71,10 +71,24 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / MANIFEST).read_text())
 
 
+def replaced_dir(final: Path) -> Path:
+    """Where commit() parks an older save of the same iteration for a moment (see find_complete)."""
+    return final.with_name(final.name + ".replaced")
+
+
+def find_complete(final: Path) -> Optional[Path]:
+    """``final`` if complete; else its parked older version (a save killed between commit()'s two
+    renames); else None."""
+    for candidate in (final, replaced_dir(final)):
+        if (candidate / MANIFEST).exists():
+            return candidate
+    return None
+
+
 def commit(tmp: Path, final: Path) -> None:
     """Make a finished temporary folder visible under its final name (one rename)."""
     if final.exists():  # re-saving an iteration: move the old one aside first, then drop it
-        old = final.with_name(final.name + ".replaced")
+        old = replaced_dir(final)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
         os.rename(tmp, final)
@@ -97,12 +111,26 @@ def prune(root: Path, keep_latest_k: int, protect: Iterable[int] = ()) -> None:
     keep = set(complete_iterations(root)[-keep_latest_k:]) | set(protect)
     for it in complete_iterations(root):
         if it not in keep:
-            shutil.rmtree(iteration_dir(root, it), ignore_errors=True)
+            # Rename first: a kill during the deletion then leaves a stale temporary, never a
+            # folder that still looks complete.
+            doomed = Path(root) / f"{_TMP_PREFIX}pruned_{it:07d}"
+            shutil.rmtree(doomed, ignore_errors=True)
+            os.rename(iteration_dir(root, it), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def remove_stale_temporaries(root: Path) -> None:
+    """Before a save: drop unfinished temporaries, and put back an older save that commit() had
+    parked (killed between its two renames) or drop it if the new one made it."""
     for child in Path(root).glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(child, ignore_errors=True)
+    for parked in Path(root).glob("iter_*.replaced"):
+        final = parked.with_name(parked.name[: -len(".replaced")])
+        if (final / MANIFEST).exists():
+            shutil.rmtree(parked, ignore_errors=True)
+        else:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(parked, final)
 
 
 def sha256_of(path: Path) -> str:
