@@ -93,3 +93,20 @@ def param_changed_after_wrapping(kind: str) -> dict:
         return _timed(lambda: mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig()))
     batches = global_batch(2 * dist.get_world_size(), seed=1)[dist.get_rank() * 2 : dist.get_rank() * 2 + 2]
     return _timed(lambda: mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1])))
+
+
+def fp16_buffer_reduction(grad_fp32: bool) -> dict:
+    """Each rank's gradient is 40000 per element; in an fp16 buffer their sum (80000) overflows fp16,
+    the pre-scaled sum (20000 + 20000) does not."""
+    from common import Probe
+
+    model = Probe(torch.float16, numel=64)
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=grad_fp32))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=1e-9, fp16=True, loss_scale=1.0, clip_grad=0.0,
+                                                       optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0,
+                                                       use_distributed_optimizer=True), ddp)
+    ddp.zero_grad_buffer()
+    ddp(40000.0).backward()
+    success, norm, _ = opt.step()
+    return dict(success=success, norm=norm)

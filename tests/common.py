@@ -173,8 +173,11 @@ class Probe(torch.nn.Module):
 def full_reduced_grads(ddp: mo.DistributedDataParallel) -> dict[str, torch.Tensor]:
     """The reduced, normalised (x grad_scale_factor) gradient of every param, assembled on all ranks."""
     scale = float(ddp.grad_scale_factor)
-    full = mo.assemble_full_tensors(ddp.local_shards(), lambda shard: shard.grad, dtype=torch.float64)
-    return {name: g * scale for name, g in full.items()}
+    out = {}
+    for shard in ddp.local_shards():  # per shard: 16-bit grads were pre-divided by grad_prescale
+        full = mo.assemble_full_tensors([shard], lambda s: s.grad, dtype=torch.float64)
+        out.update({name: g * scale / shard.grad_prescale for name, g in full.items()})
+    return out
 
 
 def sgd_exact(**kw) -> dict:

@@ -46,3 +46,10 @@ def test_params_changed_after_wrapping_are_caught(pools, kind, expect):
     for res in pools(2).run(cr.param_changed_after_wrapping, kind, timeout=60):
         assert res["error"] is not None and expect in res["error"], res
         assert res["seconds"] < BOUND_S
+
+
+@pytest.mark.parametrize("grad_fp32", [False, True])
+def test_16bit_grad_buffers_are_prescaled_before_their_reduction(pools, grad_fp32):
+    for res in pools(2).run(cr.fp16_buffer_reduction, grad_fp32):
+        assert res["success"], "the data-parallel sum of fp16 gradients overflowed: no pre-scaling"
+        assert res["norm"] == pytest.approx(40000.0 * 8, rel=1e-3)  # the average gradient, 64 elements

@@ -53,6 +53,8 @@ class Bucket:
     def start_grad_sync(self, async_op: bool) -> None:
         if self.launched:
             return
+        if self.buffer.grad_prescale != 1.0:
+            self.grad_data.mul_(self.buffer.grad_prescale)
         if self.buffer.reduce_scatter:
             self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group, async_op)
         else:
@@ -96,6 +98,11 @@ class ParamAndGradBuffer:
         self.is_expert_parallel = is_expert_parallel
         self.shard_count = layout.shard_count
         self.rank = collectives.rank(group) if reduce_scatter else 0
+        # 16-bit gradients are divided by the group size before their reduction, as Megatron-LM does,
+        # so the sum cannot overflow where the average would not; the optimizer folds the factor back
+        # into its unscale scalar. fp32 buffers stay on the exact deferred path (no pass at all).
+        ranks = collectives.world_size(group)
+        self.grad_prescale = 1.0 / ranks if grad_dtype in (torch.float16, torch.bfloat16) and ranks > 1 else 1.0
         device = params[0].device
         self.param_data = torch.zeros(layout.numel, dtype=self.param_dtype, device=device)
         self.grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)

@@ -169,7 +169,7 @@ class DistributedDataParallel(torch.nn.Module):
             pieces=tuple(buf.layout.shard_pieces(bucket.index, buf.rank)),
             group=buf.group, sharded=buf.reduce_scatter and buf.shard_count > 1,
             is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
-            rank=buf.rank, shard_count=buf.shard_count,
+            rank=buf.rank, shard_count=buf.shard_count, grad_prescale=buf.grad_prescale,
         )
 
     @property

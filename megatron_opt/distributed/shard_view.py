@@ -43,6 +43,7 @@ class LocalShard:
     bucket_index: int
     rank: int  # this rank's index among the bucket's shard owners (0 when not sharded)
     shard_count: int
+    grad_prescale: float = 1.0  # what the gradients were multiplied by before their reduction (16-bit: 1/DP)
 
     @property
     def numel(self) -> int:
@@ -59,7 +60,8 @@ class GradSource(Protocol):
 
     * ``local_shards(expert_parallel)``: the published shards, built once, in bucket order.
     * ``finish_grad_sync()``: launch what is left of the gradient reduction and wait for it.
-    * ``grad_scale_factor``: a device scalar; the logical gradient is ``shard.grad * grad_scale_factor``.
+    * ``grad_scale_factor``: a device scalar; the logical gradient is
+      ``shard.grad * grad_scale_factor / shard.grad_prescale``.
     * ``step_id``: advanced by ``zero_grad_buffer()``, so the optimizer can tell a new step's gradients.
     * ``grads_received``: gradients accumulated since ``zero_grad_buffer()`` (0: no backward ran).
     * ``start_param_sync(force_sync=..., expert_parallel=...)`` / ``finish_param_sync()``: all-gather

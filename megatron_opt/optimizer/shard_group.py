@@ -172,10 +172,14 @@ class ShardGroup:
 
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
         """Pass 1 over every owned shard: stats += [non-finite, sum of squares, zeros]."""
-        self._inv_scale = {id(src): src.grad_scale_factor / loss_scale for src in self.sources}
+        self._inv_scale = {}
         for s in self.shards:
+            key = (id(s.source), s.shard.grad_prescale)
+            if key not in self._inv_scale:
+                inv = s.source.grad_scale_factor / loss_scale
+                self._inv_scale[key] = inv if s.shard.grad_prescale == 1.0 else inv / s.shard.grad_prescale
             if self._counts_stats(s.shard):
-                ops.grad_stats(s.shard.grad, s.table, self._inv_scale[id(s.source)], stats[: ops.NUM_STATS],
+                ops.grad_stats(s.shard.grad, s.table, self._inv_scale[key], stats[: ops.NUM_STATS],
                                count_zeros, backend=self.backend)
 
     def apply_update(self, clip_coef: float) -> None:
@@ -187,7 +191,8 @@ class ShardGroup:
         wd = [float(g["weight_decay"]) for g in self.param_groups]
         for s in self.shards:
             self.rule.apply(s.shard.grad, s.master, s.state, s.param_out, s.table, lr=lr, weight_decay=wd,
-                            grad_scale=self._inv_scale[id(s.source)] * clip_coef, step=self.step,
+                            grad_scale=self._inv_scale[(id(s.source), s.shard.grad_prescale)] * clip_coef,
+                            step=self.step,
                             backend=self.backend)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
