@@ -57,10 +57,31 @@ def _split_loss_output(out: Any, mode: str) -> tuple[torch.Tensor, Optional[torc
     if len(out) not in (want, want + 1):
         form = "(loss_sum, num_tokens[, aux_sums])" if mode == "per_token" else "(mean_loss[, aux_means])"
         raise ValueError(f"train_step(loss_mode={mode!r}): loss_fn must return {form}, got {len(out)} values.")
-    loss = out[0]
-    count = torch.as_tensor(out[1]) if mode == "per_token" else None
-    aux = dict(out[want]) if len(out) > want else {}
+    what = "the sum of token losses" if mode == "per_token" else "the mean loss"
+    loss = _scalar_tensor(out[0], f"loss_fn's first value ({what})", needs_graph=True)
+    count = None
+    if mode == "per_token":
+        if isinstance(out[1], torch.Tensor) and out[1].numel() != 1:
+            raise ValueError(f"train_step: loss_fn's second value must be the number of supervised tokens (one "
+                             f"number), got a tensor of shape {tuple(out[1].shape)}; return labels.ne(-100).sum().")
+        count = torch.as_tensor(out[1])
+    aux: dict = {}
+    if len(out) > want:
+        if not isinstance(out[want], dict):
+            raise ValueError(f"train_step: loss_fn's aux losses must be a dict {{name: scalar tensor}}, got "
+                             f"{type(out[want]).__name__}.")
+        aux = {k: _scalar_tensor(v, f"aux loss {k!r}", needs_graph=False) for k, v in out[want].items()}
     return loss, count, aux
+
+
+def _scalar_tensor(value: Any, what: str, needs_graph: bool) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"train_step: {what} must be a scalar torch.Tensor"
+                         f"{' with its autograd graph' if needs_graph else ''}, got {type(value).__name__}.")
+    if value.numel() != 1:
+        raise ValueError(f"train_step: {what} must be a scalar tensor (sum or average it), got shape "
+                         f"{tuple(value.shape)}.")
+    return value.reshape(())
 
 
 def _batch_size(batch: Any) -> int:

@@ -110,3 +110,13 @@ def fp16_buffer_reduction(grad_fp32: bool) -> dict:
     ddp(40000.0).backward()
     success, norm, _ = opt.step()
     return dict(success=success, norm=norm)
+
+
+def optimizer_mismatch(kind: str) -> dict:
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    kw = dict(lr=1e-2, use_distributed_optimizer=True)
+    if rank == 1:
+        kw.update({"lr": dict(lr=2e-2), "beta": dict(adam_beta2=0.95), "rule": dict(optimizer="lion")}[kind])
+    return _timed(lambda: mo.get_megatron_optimizer(mo.OptimizerConfig(**kw), ddp))

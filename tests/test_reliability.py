@@ -53,3 +53,95 @@ def test_16bit_grad_buffers_are_prescaled_before_their_reduction(pools, grad_fp3
     for res in pools(2).run(cr.fp16_buffer_reduction, grad_fp32):
         assert res["success"], "the data-parallel sum of fp16 gradients overflowed: no pre-scaling"
         assert res["norm"] == pytest.approx(40000.0 * 8, rel=1e-3)  # the average gradient, 64 elements
+
+
+# ----------------------------------------------------------------------------- clear errors, single process
+def _one_step(loss_fn, mode="per_token"):
+    import torch
+
+    import megatron_opt as mo
+    from common import TinyLM, build, global_batch
+
+    ddp, opt = build(TinyLM())
+    return mo.train_step(ddp, opt, None, global_batch(1, seed=2), loss_fn, loss_mode=mode)
+
+
+@pytest.mark.parametrize("returns, expect", [
+    ("float", "must be a scalar torch.Tensor with its autograd graph, got float"),
+    ("vector", "must be a scalar tensor (sum or average it), got shape (2, 8)"),
+    ("aux_list", "aux losses must be a dict"),
+    ("count_vector", "number of supervised tokens (one number)"),
+])
+def test_bad_loss_fn_outputs_get_clear_errors(returns, expect):
+    import torch.nn.functional as F
+
+    from common import token_loss_sum
+
+    def loss_fn(m, b):
+        loss, n = token_loss_sum(m(b[0]), b[1])
+        if returns == "float":
+            return float(loss), n
+        if returns == "vector":
+            logits = m(b[0])
+            return F.cross_entropy(logits.transpose(1, 2), b[1], reduction="none"), n
+        if returns == "aux_list":
+            return loss, n, [loss * 0]
+        return loss, b[1].ne(-100)
+
+    with pytest.raises(Exception) as ei:
+        _one_step(loss_fn)
+    assert expect in str(ei.value), str(ei.value)
+
+
+def test_nested_no_sync_keeps_accumulating():
+    import torch
+
+    from common import TinyLM, build, global_batch, token_loss_sum
+
+    model = TinyLM()
+    ddp, opt = build(model, overlap_grad=True)
+    ddp.zero_grad_buffer()
+    batches = global_batch(3, seed=4)
+    with ddp.no_sync():
+        with ddp.no_sync():
+            token_loss_sum(ddp(batches[0][0]), batches[0][1])[0].backward()
+        token_loss_sum(ddp(batches[1][0]), batches[1][1])[0].backward()  # still inside the outer no_sync
+    token_loss_sum(ddp(batches[2][0]), batches[2][1])[0].backward()
+    assert opt.step()[0]
+
+
+def test_zero_element_param_is_named():
+    import torch
+
+    import megatron_opt as mo
+
+    model = torch.nn.Linear(4, 4)
+    model.empty = torch.nn.Parameter(torch.zeros(0))
+    with pytest.raises(ValueError, match="param 'empty' has no elements"):
+        mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig())
+
+
+@pytest.mark.parametrize("kind, expect", [("lr", "config.lr"), ("beta", "config.adam_beta2"),
+                                          ("rule", "config.optimizer")])
+def test_ranks_that_build_different_optimizers_raise_at_construction(pools, kind, expect):
+    for res in pools(2).run(cr.optimizer_mismatch, kind, timeout=60):
+        assert res["error"] is not None and expect in res["error"] and "rank 1" in res["error"], res
+        assert res["seconds"] < BOUND_S
+
+
+def test_nonfinite_optimizer_state_dict_is_refused_before_any_change():
+    import torch
+
+    from common import TinyLM, build, global_batch, token_loss_sum
+
+    import megatron_opt as mo
+
+    model = TinyLM()
+    ddp, opt = build(model)
+    mo.train_step(ddp, opt, None, global_batch(1, seed=2), lambda m, b: token_loss_sum(m(b[0]), b[1]))
+    sd = opt.state_dict()
+    sd["shards"][0]["exp_avg"][3] = float("nan")
+    before = {k: v.clone() for k, v in opt.local_state_tensors().items()}
+    with pytest.raises(ValueError, match="non-finite"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(before[k], v) for k, v in opt.local_state_tensors().items())

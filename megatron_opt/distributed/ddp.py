@@ -89,6 +89,10 @@ class DistributedDataParallel(torch.nn.Module):
     def _check_params(named: list) -> None:
         if not named:
             raise ValueError("DistributedDataParallel: the module has no parameter with requires_grad=True.")
+        empty = [n for n, p in named if p.numel() == 0]
+        if empty:
+            raise ValueError(f"DistributedDataParallel: param '{empty[0]}' has no elements, so it cannot live in a "
+                             f"gradient buffer; freeze it (requires_grad=False) or remove it from the module.")
         wrapped = [n for n, p in named if getattr(p, "_megatron_opt_wrapped", False)]
         if wrapped:
             raise ValueError(f"DistributedDataParallel: param '{wrapped[0]}' is already wrapped by another "
@@ -239,11 +243,11 @@ class DistributedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-batches inside accumulate only; the one after it (the last) triggers the reduction."""
-        self._sync_enabled = False
+        previous, self._sync_enabled = self._sync_enabled, False
         try:
             yield
         finally:
-            self._sync_enabled = True
+            self._sync_enabled = previous  # nested no_sync() blocks leave sync off until the outermost ends
 
     def start_grad_sync(self) -> None:
         for bucket in self._buckets[self._launch_cursor :]:

@@ -5,10 +5,12 @@ keeps the fp32 masters and update-rule state of those ranges, the StepDriver run
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence
 
 import torch
 
+from .. import collectives
 from ..config import OptimizerConfig
 from ..distributed.shard_view import GradSource
 from .grad_scaler import MegatronGradScaler
@@ -65,6 +67,20 @@ class DistributedOptimizer(MegatronOptimizer):
         )
         self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
                                   self.shard_group.step.device)
+        groups = self.shard_group.stats_groups()
+        collectives.check_ranks_agree(
+            "DistributedOptimizer", self._fingerprint(), groups[0] if groups else None,
+            fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
+                "param groups and loss scaler.")
+
+    def _fingerprint(self) -> list:
+        items: list = [(f"config.{f.name}", repr(getattr(self.config, f.name)))
+                       for f in dataclasses.fields(self.config) if f.name != "timers"]
+        items.append(("update rule", (self.update_rule.name, repr(self.update_rule.hyperparameters()))))
+        items.append(("loss scaler", type(self.grad_scaler).__name__))
+        items += [(f"param group {i}", repr(sorted((k, v) for k, v in g.items() if k != "params")))
+                  for i, g in enumerate(self.param_groups)]
+        return items
 
     def _stats_groups(self) -> list:
         groups = self.shard_group.stats_groups()

@@ -315,6 +315,11 @@ class ShardGroup:
                 if a[key] != b[key]:
                     raise ValueError(f"state_dict does not match this optimizer: shard {i} {key} is {b[key]!r} in "
                                      f"the checkpoint but {a[key]!r} here. {fix}")
+        for i, saved in enumerate(state_dict["shards"]):
+            for name, t in saved.items():
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+                    raise ValueError(f"state_dict shard {i} '{name}' holds non-finite values; refusing to load it "
+                                     f"(the next step would write NaN into the params). {fix}")
         if len(state_dict["param_groups"]) != len(self.param_groups):
             raise ValueError(f"state_dict has {len(state_dict['param_groups'])} param groups, this optimizer has "
                              f"{len(self.param_groups)}. {fix}")
