@@ -1,7 +1,8 @@
 """What a checkpoint holds, by name, in model space (independent of the data-parallel layout).
 
 Keys of the DCP state dict:
-    model/<param>                 the model param, full, replicated (DCP writes it once)
+    model/<param>                 the model param in its dtype and shape; each rank contributes the
+                                  part of its own shard (ParamChunk), so no rank writes it all
     optim/<state>/<param>         'master' and the update rule's state, in the param's shape; each
                                   rank contributes the part it owns (ParamChunk)
     optim/scalars                 param-group hyperparameters, update counts, loss scaler, rules
@@ -78,6 +79,34 @@ def _pieces_by_param(optimizer: Any, chunks: Sequence[GradSource]) -> dict[tuple
     return {(index[id(ps.source)], ps.name): ps for ps in optimizer.piece_states()}
 
 
+def _model_pieces(chunks: Sequence[GradSource]) -> dict[tuple[int, str], tuple[torch.Tensor, int]]:
+    """(chunk, name) -> (this rank's piece of the param, a view of its param-buffer shard; its start)."""
+    out = {}
+    for c, chunk in enumerate(chunks):
+        for shard in chunk.local_shards():
+            for pc in shard.pieces:
+                view = shard.param[pc.shard_range.start : pc.shard_range.end]
+                out[(c, shard.names[pc.param_index])] = (view, pc.param_range.start)
+    return out
+
+
+class _Staging:
+    """Reused copy buffers for background saves: the blocking copy then lands in memory that is
+    already mapped (fresh allocations would page-fault on every save)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device != t.device:
+            buf = self._buffers[key] = torch.empty_like(t)
+        return buf.copy_(t)
+
+
+_staging = _Staging()
+
+
 def rank_key() -> str:
     return f"rank/{collectives.rank(None)}"
 
@@ -85,16 +114,21 @@ def rank_key() -> str:
 def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
                      run: dict[str, Any], rank_state: dict[str, Any], snapshot: bool) -> dict[str, Any]:
     """The DCP state dict to save. ``snapshot`` copies every tensor (for a save in the background)."""
-    own = (lambda t: t.detach().clone()) if snapshot else (lambda t: t.detach())
+    own = (lambda key, t: _staging.copy(key, t.detach())) if snapshot else (lambda key, t: t.detach())
     entries = param_entries(chunks)
-    sd: dict[str, Any] = {f"model/{e.key}": own(e.param) for e in entries}
+    model_pieces = _model_pieces(chunks)
+    sd: dict[str, Any] = {}
+    for e in entries:
+        view, start = model_pieces.get((e.chunk, e.name), (torch.empty(0, dtype=e.param.dtype), 0))
+        sd[f"model/{e.key}"] = ParamChunk(own(f"model/{e.key}", view), e.param.shape, start)
     if optimizer is not None:
         pieces = _pieces_by_param(optimizer, chunks)
         for st in state_names(optimizer):
             for e in entries:
                 ps = pieces.get((e.chunk, e.name))
-                flat = own(ps.tensors[st]) if ps is not None else torch.empty(0, device=e.param.device)
-                sd[f"optim/{st}/{e.key}"] = ParamChunk(flat, e.param.shape, ps.param_start if ps is not None else 0)
+                key = f"optim/{st}/{e.key}"
+                flat = own(key, ps.tensors[st]) if ps is not None else torch.empty(0, device=e.param.device)
+                sd[key] = ParamChunk(flat, e.param.shape, ps.param_start if ps is not None else 0)
         sd["optim/scalars"] = optimizer.scalar_state()
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
@@ -107,7 +141,10 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
                            load_rank_state: bool) -> dict[str, Any]:
     """Fresh tensors for everything a load reads: nothing live is written until all is read and checked."""
     entries = param_entries(chunks)
-    dest: dict[str, Any] = {f"model/{e.key}": torch.empty_like(e.param.detach()) for e in entries}
+    dest: dict[str, Any] = {}
+    for (c, name), (view, start) in _model_pieces(chunks).items():
+        key = f"model/{name}" if len(chunks) == 1 else f"model/chunk{c}.{name}"
+        dest[key] = ParamChunk(torch.empty_like(view), _shape_of(entries, c, name), start)
     if optimizer is not None:
         pieces = _pieces_by_param(optimizer, chunks)
         for st in state_names(optimizer):
@@ -124,6 +161,10 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     return dest
 
 
+def _shape_of(entries: Sequence[ParamEntry], chunk: int, name: str) -> torch.Size:
+    return next(e.param.shape for e in entries if e.chunk == chunk and e.name == name)
+
+
 def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
     for key, value in dest.items():
         if isinstance(value, ParamChunk) and value.flat.numel() and not torch.isfinite(value.flat).all():
@@ -135,9 +176,15 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
                        scheduler: Optional[Any]) -> None:
     """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
     entries = param_entries(chunks)
+    model_pieces = _model_pieces(chunks)
     with torch.no_grad():
         for e in entries:
-            e.param.copy_(dest[f"model/{e.key}"])
+            if (e.chunk, e.name) in model_pieces:
+                model_pieces[(e.chunk, e.name)][0].copy_(dest[f"model/{e.key}"].flat)
+        if optimizer is None:  # every rank loaded its own part of the params: gather the rest
+            for chunk in chunks:
+                chunk.start_param_sync(force_sync=True)
+                chunk.finish_param_sync()
         if optimizer is not None:
             pieces = _pieces_by_param(optimizer, chunks)
             for st in state_names(optimizer):
