@@ -120,3 +120,58 @@ def optimizer_mismatch(kind: str) -> dict:
     if rank == 1:
         kw.update({"lr": dict(lr=2e-2), "beta": dict(adam_beta2=0.95), "rule": dict(optimizer="lion")}[kind])
     return _timed(lambda: mo.get_megatron_optimizer(mo.OptimizerConfig(**kw), ddp))
+
+
+def fault_injection(precision: str, steps: int, seed: int) -> dict:
+    """Plant NaN/inf into one param's gradient on random (step, rank, param, micro-batch) positions.
+    Each planted step must be skipped on every rank with every piece of state bitwise unchanged, and
+    the run must end bitwise equal to a clean run that never ran those steps."""
+    import random
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype, extra = {"fp32": (torch.float32, {}), "bf16": (torch.bfloat16, {"bf16": True}),
+                    "fp16": (torch.float16, {"fp16": True, "loss_scale": 128.0})}[precision]
+    plan = random.Random(seed)  # the same plan on every rank
+    n_params = len(list(TinyLM().parameters()))
+    planted = {s: (plan.randrange(world), plan.randrange(n_params), plan.randrange(2), plan.choice([1, -1, 0]))
+               for s in sorted(plan.sample(range(steps), steps // 3))}
+
+    def run(skip_planted: bool) -> dict:
+        model = TinyLM(dtype)
+        ddp, opt = build(model, clip_grad=1.0, **extra)
+        log = []
+        for s in range(steps):
+            if skip_planted and s in planted:
+                continue
+            batches = global_batch(2 * world, seed=100 + s)[2 * rank : 2 * rank + 2]
+            fault = planted.get(s) if not skip_planted else None
+            handle = None
+            if fault is not None and fault[0] == rank:
+                bad = {1: float("inf"), -1: float("-inf"), 0: float("nan")}[fault[3]]
+                param = list(model.parameters())[fault[1]]
+                state = {"mb": 0}
+                target_mb = fault[2]
+
+                def hook(g, state=state, bad=bad, target_mb=target_mb):
+                    state["mb"] += 1
+                    if state["mb"] - 1 == target_mb:
+                        g = g.clone()
+                        g.reshape(-1)[0] = bad
+                    return g
+                handle = param.register_hook(hook)
+            before = [p.detach().clone() for p in model.parameters()] + \
+                     [t.clone() for t in opt.local_state_tensors().values()]
+            res = mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1]))
+            if handle is not None:
+                handle.remove()
+            after = [p.detach().clone() for p in model.parameters()] + \
+                    [t.clone() for t in opt.local_state_tensors().values()]
+            unchanged = all(torch.equal(a, b) for a, b in zip(before, after))
+            log.append((s, res.success, unchanged))
+        return dict(log=log, params=[p.detach().clone() for p in model.parameters()],
+                    state={k: v.clone() for k, v in opt.local_state_tensors().items() if k != "step"})
+
+    faulty, clean = run(False), run(True)
+    return dict(planted=sorted(planted), faulty=faulty["log"], clean=clean["log"],
+                params_equal=all(torch.equal(a, b) for a, b in zip(faulty["params"], clean["params"])),
+                state_equal=all(torch.equal(faulty["state"][k], clean["state"][k]) for k in clean["state"]))

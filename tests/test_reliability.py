@@ -145,3 +145,19 @@ def test_nonfinite_optimizer_state_dict_is_refused_before_any_change():
     with pytest.raises(ValueError, match="non-finite"):
         opt.load_state_dict(sd)
     assert all(torch.equal(before[k], v) for k, v in opt.local_state_tensors().items())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_fault_injection_skips_exactly_the_planted_steps(pools, precision):
+    for seed in (1, 2):
+        for res in pools(2).run(cr.fault_injection, precision, 9, seed, timeout=120):
+            planted = set(res["planted"])
+            assert planted, "the plan planted nothing"
+            for step, success, unchanged in res["faulty"]:
+                if step in planted:
+                    assert not success and unchanged, f"{precision} seed {seed}: planted step {step} was not a clean skip"
+                else:
+                    assert success and not unchanged, f"{precision} seed {seed}: clean step {step} did not update"
+            assert all(success for _, success, _ in res["clean"])
+            assert res["params_equal"] and res["state_equal"], \
+                f"{precision} seed {seed}: the faulty run does not end where the run without the planted steps ends"
