@@ -175,3 +175,10 @@ def fault_injection(precision: str, steps: int, seed: int) -> dict:
     return dict(planted=sorted(planted), faulty=faulty["log"], clean=clean["log"],
                 params_equal=all(torch.equal(a, b) for a, b in zip(faulty["params"], clean["params"])),
                 state_equal=all(torch.equal(faulty["state"][k], clean["state"][k]) for k in clean["state"]))
+
+
+def group_without_this_rank() -> dict:
+    only_rank0 = dist.new_group([0])
+    model = TinyLM()
+    return _timed(lambda: mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(),
+                                                     data_parallel_group=only_rank0))

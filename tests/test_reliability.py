@@ -161,3 +161,36 @@ def test_fault_injection_skips_exactly_the_planted_steps(pools, precision):
             assert all(success for _, success, _ in res["clean"])
             assert res["params_equal"] and res["state_equal"], \
                 f"{precision} seed {seed}: the faulty run does not end where the run without the planted steps ends"
+
+
+def test_a_group_without_this_rank_is_refused(pools):
+    rank0, rank1 = pools(2).run(cr.group_without_this_rank, timeout=60)
+    assert rank0["error"] is None, rank0
+    assert rank1["error"] is not None and "not a member of the data_parallel_group" in rank1["error"], rank1
+
+
+def test_ddp_built_before_init_process_group_is_caught(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    import megatron_opt as mo
+    from common import TinyLM
+
+    ddp = mo.DistributedDataParallel(TinyLM(), mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    ddp.zero_grad_buffer()  # fine while there is no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(mo.StepOrderError, match="built before init_process_group"):
+        ddp.zero_grad_buffer()
+
+
+def test_a_param_made_trainable_after_wrapping_is_caught():
+    import megatron_opt as mo
+    from common import TinyLM
+
+    model = TinyLM()
+    model.fc.bias.requires_grad_(False)
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig())
+    model.fc.bias.requires_grad_(True)
+    with pytest.raises(ValueError, match="param 'fc.bias' is not the param that was wrapped.*became trainable"):
+        ddp.zero_grad_buffer()
