@@ -182,3 +182,21 @@ def group_without_this_rank() -> dict:
     model = TinyLM()
     return _timed(lambda: mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(),
                                                      data_parallel_group=only_rank0))
+
+
+def update_fails_on_one_rank() -> dict:
+    """An update rule that raises on rank 1 only: every rank raises instead of waiting in the all-gather."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+
+    class Flaky(mo.SGD):
+        def apply(self, *a, **k):
+            if rank == 1:
+                raise FloatingPointError("update kernel failed")
+            return super().apply(*a, **k)
+
+    opt = mo.DistributedOptimizer(mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True),
+                                  [ddp], update_rule=Flaky(momentum=0.9))
+    batches = global_batch(4, seed=1)[2 * rank : 2 * rank + 2]
+    return _timed(lambda: mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1])))

@@ -24,7 +24,8 @@ import torch
 from torch.profiler import record_function
 
 from ..distributed.shard_view import GradSource
-from ..errors import StepOrderError
+from .. import collectives
+from ..errors import RankError, StepOrderError
 from . import stats as grad_stats
 from .grad_scaler import DynamicGradScaler, MegatronGradScaler
 from .hyperparams import check_param_groups
@@ -150,20 +151,48 @@ class StepDriver:
         if stats.found_inf:
             self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler) else SkipReason.NON_FINITE)
             return False
-        for leaf in self.leaves:  # lr / weight decay as a scheduler or the user left them, before any change
-            check_param_groups(leaf.param_groups)
-        if self.grad_scaler is not None:
-            # Once per step, and only for a step that is applied: a step skipped for its norm
-            # (grad_norm_skip_threshold) leaves the scaler exactly as it was.
-            self.grad_scaler.update(False)
-        with record_function("megatron_opt.pass2"):
-            for leaf in self.leaves:
-                leaf.apply_update(self._clip_coef)
+        failure: Optional[BaseException] = None
+        try:
+            for leaf in self.leaves:  # lr / weight decay as a scheduler or the user left them, before any change
+                check_param_groups(leaf.param_groups)
+            if self.grad_scaler is not None:
+                # Once per step, and only for a step that is applied: a step skipped for its norm
+                # (grad_norm_skip_threshold) leaves the scaler exactly as it was.
+                self.grad_scaler.update(False)
+            with record_function("megatron_opt.pass2"):
+                for leaf in self.leaves:
+                    leaf.apply_update(self._clip_coef)
+        except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+            failure = exc
+        self._agree_before_param_sync(failure)
         with record_function("megatron_opt.param_sync"):
             for leaf in self.leaves:
                 leaf.start_param_sync()
         self._state = StepState.STEPPED
         return True
+
+    def _agree_before_param_sync(self, failure: Optional[BaseException]) -> None:
+        """A failure in the update on one rank must not leave the others in the param all-gather:
+        one 1-element MAX all-reduce over the stats groups (skipped on a single rank), and on a
+        failure every rank raises RankError with the failing rank's message."""
+        groups = [g for g in self.stats_groups if collectives.world_size(g) > 1]
+        if not groups:
+            if failure is not None:
+                raise failure
+            return
+        flag = torch.tensor([0.0 if failure is None else 1.0])
+        with record_function("megatron_opt.update_agreement"):
+            for group in groups:
+                collectives.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() == 0.0:
+            return
+        message = None if failure is None else f"{type(failure).__name__}: {failure}"
+        messages = [None] * collectives.world_size(groups[0])
+        torch.distributed.all_gather_object(messages, message, group=groups[0])
+        bad = [(r, m) for r, m in enumerate(messages) if m is not None]
+        where = f"rank {bad[0][0]} of the data-parallel group: {bad[0][1]}" if bad else "a model-parallel peer"
+        raise RankError(f"the optimizer update failed on {where}. The ranks' params may now differ: restart from the "
+                        f"last checkpoint.") from failure
 
     def step(self) -> tuple[bool, Optional[float], Optional[int]]:
         found_inf = self.prepare_grads()
