@@ -102,8 +102,25 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, asy
         if shard.data_ptr() != full.data_ptr():
             full[: shard.numel()].copy_(shard)
         return _Done()
+    if not async_op and full.device.type == "cpu" and shard.numel() > SYNC_ALL_GATHER_CHUNK:
+        _all_gather_in_chunks(full, shard, group)
+        return _Done()
     work = _all_gather_op()(full, shard, group=group, async_op=async_op)
     return work if async_op else _Done()
+
+
+# gloo stages a whole all-gather output in a temporary buffer; a synchronous gather of a large bucket
+# (e.g. after a checkpoint load) goes in slices so that buffer stays small.
+SYNC_ALL_GATHER_CHUNK = 1 << 22  # elements per rank and slice
+
+
+def _all_gather_in_chunks(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
+    n, world = shard.numel(), world_size(group)
+    for lo in range(0, n, SYNC_ALL_GATHER_CHUNK):
+        hi = min(n, lo + SYNC_ALL_GATHER_CHUNK)
+        # When ``shard`` is this rank's chunk of ``full`` its output slice is the input itself.
+        outputs = [full[r * n + lo : r * n + hi] for r in range(world)]
+        dist.all_gather(outputs, shard[lo:hi], group=group)
 
 
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):

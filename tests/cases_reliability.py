@@ -200,3 +200,21 @@ def update_fails_on_one_rank() -> dict:
                                   [ddp], update_rule=Flaky(momentum=0.9))
     batches = global_batch(4, seed=1)[2 * rank : 2 * rank + 2]
     return _timed(lambda: mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1])))
+
+
+def chunked_all_gather() -> bool:
+    """A synchronous all-gather of a large shard goes in slices; the result is the same."""
+    from megatron_opt import collectives
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved, collectives.SYNC_ALL_GATHER_CHUNK = collectives.SYNC_ALL_GATHER_CHUNK, 7
+    try:
+        for n in (5, 7, 20, 31):
+            full = torch.zeros(n * world)
+            full[rank * n : (rank + 1) * n] = torch.arange(n) + 100 * rank
+            collectives.all_gather(full, full[rank * n : (rank + 1) * n], None, async_op=False)
+            if not torch.equal(full, torch.cat([torch.arange(n) + 100.0 * r for r in range(world)])):
+                return False
+    finally:
+        collectives.SYNC_ALL_GATHER_CHUNK = saved
+    return True

@@ -201,3 +201,7 @@ def test_an_update_failing_on_one_rank_raises_on_every_rank(pools):
         assert res["error"] is not None and res["error"].startswith("RankError"), res
         assert "rank 1" in res["error"] and "update kernel failed" in res["error"], res
         assert res["seconds"] < BOUND_S
+
+
+def test_synchronous_all_gather_in_slices_equals_one_gather(pools):
+    assert all(pools(3).run(cr.chunked_all_gather))
