@@ -142,7 +142,10 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     """Fresh tensors for everything a load reads: nothing live is written until all is read and checked."""
     entries = param_entries(chunks)
     dest: dict[str, Any] = {}
-    for (c, name), (view, start) in _model_pieces(chunks).items():
+    # With the optimizer loaded the params are the rounded masters (what was saved as the model too),
+    # so only a model-only load reads model/: one fresh copy of the rank's state, not two.
+    model_pieces = _model_pieces(chunks) if optimizer is None else {}
+    for (c, name), (view, start) in model_pieces.items():
         key = f"model/{name}" if len(chunks) == 1 else f"model/chunk{c}.{name}"
         dest[key] = ParamChunk(torch.empty_like(view), _shape_of(entries, c, name), start)
     if optimizer is not None:
@@ -179,7 +182,7 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
     model_pieces = _model_pieces(chunks)
     with torch.no_grad():
         for e in entries:
-            if (e.chunk, e.name) in model_pieces:
+            if (e.chunk, e.name) in model_pieces and f"model/{e.key}" in dest:
                 model_pieces[(e.chunk, e.name)][0].copy_(dest[f"model/{e.key}"].flat)
         if optimizer is None:  # every rank loaded its own part of the params: gather the rest
             for chunk in chunks:
