@@ -45,6 +45,13 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def flag_device(group: ProcessGroup = None) -> torch.device:
+    """Where a small control tensor for ``group`` must live: CUDA for NCCL groups, else the CPU."""
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_one_dtype(name: str, *tensors: torch.Tensor) -> None:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) != 1:

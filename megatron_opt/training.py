@@ -99,7 +99,8 @@ def _agree(group, failure: Optional[BaseException], aux_names: Optional[list]) -
     learns whether any rank failed or returned other aux losses, and all raise RankError together."""
     n = len(aux_names) if aux_names is not None else -1
     signature = float(zlib.crc32(repr(aux_names).encode()) % (1 << 24)) if aux_names is not None else -1.0
-    flags = torch.tensor([1.0 if failure is not None else 0.0, n, -n, signature, -signature], dtype=torch.float64)
+    flags = torch.tensor([1.0 if failure is not None else 0.0, n, -n, signature, -signature], dtype=torch.float64,
+                         device=collectives.flag_device(group))
     collectives.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
     failed, aux_differs = flags[0].item() > 0, flags[1].item() != -flags[2].item() or flags[3].item() != -flags[4].item()
     if not failed and not aux_differs:
@@ -154,8 +155,6 @@ def train_step(
                          "average_in_collective=False (the 1/N normalisation replaces the average).")
     dp_group = model.data_parallel_group
     device = model.grad_scale_factor.device
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
 
     # Every rank reaches _agree() before the last backward, whatever failed before it, so one rank's
     # error (a bad micro-batch, a loss_fn raising, no micro-batches at all) is every rank's error
@@ -167,6 +166,8 @@ def train_step(
     last = len(microbatches) - 1
     count_samples = scheduler is not None and samples_per_step is None
     try:
+        model.zero_grad_buffer()  # also checks that the params were not changed after wrapping
+        optimizer.zero_grad()
         if not microbatches:
             raise ValueError("train_step needs at least one micro-batch on every rank (this rank got none).")
         for i, batch in enumerate(microbatches):

@@ -212,3 +212,43 @@ def save_with_nan_moment(path: str) -> None:
         key = next(k for k in opt.local_state_tensors() if k.endswith("exp_avg"))
         opt.local_state_tensors()[key][0] = float("nan")
     ckpt.save(path, ddp, opt, sched, iteration=1)
+
+
+def load_with_other_schedule(path: str) -> dict:
+    """A scheduler whose max_lr differs from the checkpoint's: refused before anything is written."""
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("fp32", seed=11)
+    sched.max_lr = 2e-2
+    sched.use_checkpoint_opt_param_scheduler = False  # neither override nor take the checkpoint's: a mismatch
+    before = [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.local_state_tensors().values()]
+    try:
+        ckpt.load(path, ddp, opt, sched)
+        error = None
+    except mo.CheckpointError as exc:
+        error = str(exc)
+    after = [p.detach().clone() for p in model.parameters()] + [t.clone() for t in opt.local_state_tensors().values()]
+    return dict(error=error, untouched=all(torch.equal(a, b) for a, b in zip(before, after)))
+
+
+def chained_with_two_rules(path: str, phase: str) -> dict:
+    """Dense AdamW + expert-parallel SGD children in one ChainedOptimizer: save, then load bitwise."""
+    from megatron_opt.optimizer.chained import ChainedOptimizer
+    from megatron_opt.optimizer.distrib_optimizer import DistributedOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    for p in model[1].parameters():
+        p.allreduce = False
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    adam = mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True)
+    sgd = mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True)
+    opt = ChainedOptimizer([DistributedOptimizer(adam, [ddp], expert_parallel=False),
+                            DistributedOptimizer(sgd, [ddp], expert_parallel=True)])
+    if phase == "save":
+        ddp.zero_grad_buffer()
+        ddp(torch.randn(4, 8)).square().sum().backward()
+        assert opt.step()[0]
+        ckpt.save(path, ddp, opt, iteration=1)
+    else:
+        ckpt.load(path, ddp, opt)
+    return {k: v.clone() for k, v in opt.local_state_tensors().items()}

@@ -218,3 +218,19 @@ def chunked_all_gather() -> bool:
     finally:
         collectives.SYNC_ALL_GATHER_CHUNK = saved
     return True
+
+
+def state_dict_nan_on_one_rank() -> dict:
+    """A state dict that only rank 1 refuses (a NaN in its own shard): every rank refuses it."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp, opt = build(model)
+    batches = global_batch(4, seed=1)[2 * rank : 2 * rank + 2]
+    mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1]))
+    sd = opt.state_dict()
+    if rank == 1:
+        sd["shards"][0]["exp_avg"][0] = float("nan")
+    before = [t.clone() for t in opt.local_state_tensors().values()]
+    out = _timed(lambda: opt.load_state_dict(sd))
+    out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, opt.local_state_tensors().values()))
+    return out

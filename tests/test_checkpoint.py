@@ -198,3 +198,16 @@ def test_load_in_one_process_without_a_process_group(pools, tmp_path):
     saved = ckpt.read_tensors(tmp_path, "master")
     assert all(torch.equal(masters[k], saved[k]) for k in saved)
     assert all(torch.equal(p.detach(), saved[n].to(p.dtype)) for n, p in model.named_parameters())
+
+
+def test_a_scheduler_mismatch_is_refused_before_anything_changes(pools, tmp_path):
+    pools(2).run(cc.save_after_steps, str(tmp_path), "fp32", 1)
+    for res in pools(2).run(cc.load_with_other_schedule, str(tmp_path), timeout=60):
+        assert res["error"] is not None and "scheduler" in res["error"] and res["untouched"], res
+
+
+def test_chained_optimizer_with_two_update_rules_round_trips(pools, tmp_path):
+    saved = pools(2).run(cc.chained_with_two_rules, str(tmp_path), "save")
+    loaded = pools(2).run(cc.chained_with_two_rules, str(tmp_path), "load")
+    for a, b in zip(saved, loaded):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

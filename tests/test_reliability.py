@@ -205,3 +205,22 @@ def test_an_update_failing_on_one_rank_raises_on_every_rank(pools):
 
 def test_synchronous_all_gather_in_slices_equals_one_gather(pools):
     assert all(pools(3).run(cr.chunked_all_gather))
+
+
+def test_a_state_dict_refused_on_one_rank_is_refused_on_every_rank(pools):
+    for res in pools(2).run(cr.state_dict_nan_on_one_rank, timeout=60):
+        assert res["error"] is not None and "non-finite" in res["error"] and "rank 1" in res["error"], res
+        assert res["untouched"] and res["seconds"] < BOUND_S
+
+
+def test_control_flags_live_on_the_device_an_nccl_group_needs(monkeypatch):
+    import torch
+    import torch.distributed as dist
+
+    from megatron_opt import collectives
+
+    assert collectives.flag_device(None) == torch.device("cpu")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collectives.flag_device(None) == torch.device("cuda", 3)

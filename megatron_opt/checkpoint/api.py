@@ -7,7 +7,9 @@ the same CheckpointError, and a failed load changes nothing.
 """
 from __future__ import annotations
 
+import copy
 import datetime
+import types
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -138,6 +140,10 @@ def save(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
     wait_for_pending_save()
     root = Path(path)
     chunks = model_space.as_chunks(model)
+    children = getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []
+    if any(getattr(child, "model_parallel_group", None) is not None for child in children):
+        raise CheckpointError("megatron_opt.checkpoint describes data-parallel sharding only; an optimizer with a "
+                              "model_parallel_group (tensor/pipeline parallelism) cannot be saved with it yet.")
     run = {"iteration": int(iteration), "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
     rank_state = {"rng": capture_rng(), "extra": dict(rank_extra or {})}
     state = model_space.build_save_state(chunks, optimizer, scheduler, run, rank_state, snapshot=async_save)
@@ -162,7 +168,7 @@ def check_pending_save(block: bool = False) -> None:
         return
     if block:
         _pending.thread.join()
-    done = torch.tensor([0.0 if _pending.thread.is_alive() else 1.0])
+    done = torch.tensor([0.0 if _pending.thread.is_alive() else 1.0], device=collectives.flag_device(None))
     if collectives.world_size(None) > 1:
         collectives.all_reduce(done, None, op=dist.ReduceOp.MIN)
     if done.item() < 1.0:
@@ -253,6 +259,18 @@ def _check_compatible(manifest: dict[str, Any], chunks: Sequence[GradSource], op
         raise CheckpointError(f"{where}: the checkpoint has no scheduler state")
 
 
+def _dry_run_scheduler_load(scheduler: Any, state: dict, folder: Path) -> None:
+    """Load the schedule into a shallow copy that writes into copies of the param groups, so a
+    mismatch (e.g. another max_lr) raises here, before anything live is written."""
+    trial = copy.copy(scheduler)
+    trial.optimizer = types.SimpleNamespace(param_groups=[dict(g) for g in scheduler.optimizer.param_groups])
+    try:
+        trial.load_state_dict(state)
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: the scheduler state does not fit this scheduler: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
 def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, scheduler: Optional[Any] = None, *,
          iteration: Optional[int] = None, load_optimizer: bool = True, load_rng: bool = True) -> RunState:
     """Load a checkpoint saved at any data-parallel size (every rank calls it).
@@ -262,6 +280,7 @@ def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
     model, optimizer (unless ``load_optimizer=False``) and scheduler. RNG states (``load_rng``) and
     per-rank extras are restored when the world size equals the saved one. Any failure raises CheckpointError on every rank.
     """
+    wait_for_pending_save()  # a background save uses the same checkpoint group and may be committing
     chunks = model_space.as_chunks(model)
     opt = optimizer if load_optimizer else None
     rank, world = collectives.rank(None), collectives.world_size(None)
@@ -288,6 +307,13 @@ def load(path: Union[str, Path], model: Model, optimizer: Optional[Any] = None, 
         bad = model_space.nonfinite_optimizer_state(dest)
         if bad:
             raise CheckpointError(f"{folder}: {bad}; refusing to load it (the next step would write NaN into the params)")
+        if opt is not None:
+            saved_groups, mine = dest["optim/scalars"]["param_groups"], opt.param_groups
+            if len(saved_groups) != len(mine):
+                raise CheckpointError(f"{folder}: the checkpoint has {len(saved_groups)} param groups, this optimizer "
+                                      f"has {len(mine)}; build the optimizer with the same grouping")
+        if scheduler is not None:
+            _dry_run_scheduler_load(scheduler, dest["scheduler"], folder)
 
     collectives.raise_together(read, None, f"checkpoint load from {folder}", CheckpointError)
     model_space.apply_loaded_state(dest, chunks, opt, scheduler)

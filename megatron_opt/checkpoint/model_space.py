@@ -61,6 +61,15 @@ def state_names(optimizer: Any) -> list[str]:
     return names
 
 
+def state_names_of(optimizer: Any, param: torch.nn.Parameter) -> list[str]:
+    """'master' and the state of the rule that updates ``param`` (dense or expert-parallel child)."""
+    expert = not getattr(param, "allreduce", True)
+    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(child, "is_expert_parallel", False) == expert:
+            return ["master"] + list(child.update_rule.state_dtypes())
+    return state_names(optimizer)
+
+
 def _rules(optimizer: Any) -> list:
     children = getattr(optimizer, "chained_optimizers", [optimizer])
     return [child.update_rule for child in children]
@@ -125,6 +134,8 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
         pieces = _pieces_by_param(optimizer, chunks)
         for st in state_names(optimizer):
             for e in entries:
+                if st not in state_names_of(optimizer, e.param):
+                    continue
                 ps = pieces.get((e.chunk, e.name))
                 key = f"optim/{st}/{e.key}"
                 flat = own(key, ps.tensors[st]) if ps is not None else torch.empty(0, device=e.param.device)
@@ -153,7 +164,7 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
         for st in state_names(optimizer):
             for e in entries:
                 ps = pieces.get((e.chunk, e.name))
-                if ps is not None:
+                if ps is not None and st in ps.tensors:
                     dest[f"optim/{st}/{e.key}"] = ParamChunk(torch.empty_like(ps.tensors[st]), e.param.shape, ps.param_start)
         dest["optim/scalars"] = None
     if scheduler is not None:
@@ -193,7 +204,7 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
             for st in state_names(optimizer):
                 for e in entries:
                     ps = pieces.get((e.chunk, e.name))
-                    if ps is not None:
+                    if ps is not None and st in ps.tensors:
                         ps.tensors[st].copy_(dest[f"optim/{st}/{e.key}"].flat)
             optimizer.load_scalar_state(dest["optim/scalars"])
             optimizer.sync_params_from_masters()

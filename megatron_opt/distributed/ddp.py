@@ -4,6 +4,8 @@ Normalisation is deferred: the buckets are reduced with SUM and nothing multipli
 ``grad_scale_factor`` (a device scalar, 1/DP by default) records what the gradients must be
 multiplied by, and the optimizer folds it into the one unscale scalar of its two passes. So
 ``param.main_grad`` holds the raw sum; the logical gradient is ``main_grad * grad_scale_factor``.
+16-bit gradient buffers are the exception: each bucket is divided by the group size just before its
+reduction (``ParamAndGradBuffer.grad_prescale``), so there ``main_grad`` holds the sum / DP.
 """
 from __future__ import annotations
 

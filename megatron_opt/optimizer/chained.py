@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import collectives
 from .distrib_optimizer import DistributedOptimizer
 from .megatron_optimizer import MegatronOptimizer
 from .shard_group import ShardGroup
@@ -56,7 +57,10 @@ class ChainedOptimizer(MegatronOptimizer):
         if saved is None or len(saved) != len(self.chained_optimizers):
             raise ValueError(f"ChainedOptimizer.load_state_dict: expected {len(self.chained_optimizers)} child "
                              f"state dicts under 'chained'. Load a checkpoint saved by the same model setup.")
-        for c, sd in zip(self.chained_optimizers, saved):  # check all before changing any
-            c.check_loadable(sd)
+        def check_all() -> None:  # every child, on every rank, before anything changes
+            for c, sd in zip(self.chained_optimizers, saved):
+                c.check_loadable(sd)
+
+        collectives.raise_together(check_all, self.grad_stats_group, "ChainedOptimizer.load_state_dict", ValueError)
         for c, sd in zip(self.chained_optimizers, saved):
             c.load_state_dict(sd)

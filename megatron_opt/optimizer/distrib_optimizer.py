@@ -117,8 +117,11 @@ class DistributedOptimizer(MegatronOptimizer):
         self.shard_group.check_loadable(state_dict, fix)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore this rank's shard state; every rank must call it (it ends with a param all-gather)."""
-        self.check_loadable(state_dict)
+        """Restore this rank's shard state; every rank must call it (it ends with a param all-gather).
+        The ranks agree first: a state dict refused on any rank is refused on every rank."""
+        groups = self.shard_group.stats_groups()
+        collectives.raise_together(lambda: self.check_loadable(state_dict), groups[0] if groups else None,
+                                   "DistributedOptimizer.load_state_dict", ValueError)
         self.shard_group.load_state_dict(state_dict)
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])

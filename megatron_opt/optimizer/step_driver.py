@@ -180,7 +180,7 @@ class StepDriver:
             if failure is not None:
                 raise failure
             return
-        flag = torch.tensor([0.0 if failure is None else 1.0])
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=collectives.flag_device(groups[0]))
         with record_function("megatron_opt.update_agreement"):
             for group in groups:
                 collectives.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
