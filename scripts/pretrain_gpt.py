@@ -359,6 +359,7 @@ def main() -> None:
         mo.checkpoint.wait_for_pending_save()
     if rank == 0 and first_loss is not None:
         print(f"done: loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+    dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks to it can abort
     dist.destroy_process_group()
 
 

@@ -281,7 +281,12 @@ def _rank_main(rank: int, port: int, args) -> None:
         sys.stderr.write(f"--- rank {rank} ---\n{traceback.format_exc()}")
         sys.stderr.flush()
         os._exit(1)
-    dist.destroy_process_group()
+    # Leave together and without tearing the gloo groups down: on a loaded machine a rank that
+    # destroys its groups while its peer is still closing them can abort in gloo's teardown.
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the launcher
