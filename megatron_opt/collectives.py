@@ -144,6 +144,26 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
 
 
 
+def max_over_groups(values: list, groups: list) -> list:
+    """One small MAX all-reduce per group (on the device the group needs): every rank learns the
+    largest of each value, e.g. whether any rank failed. The cheap happy path of an agreement."""
+    flags = torch.tensor(values, dtype=torch.float64, device=flag_device(groups[0] if groups else None))
+    for group in groups:
+        all_reduce(flags, group, op=dist.ReduceOp.MAX)
+    return flags.tolist()
+
+
+def gather_failures(failure: Optional[BaseException], group: ProcessGroup = None, payload=None) -> list:
+    """Every rank's (error message or None, payload) over ``group``: the slow path of an agreement,
+    run only after max_over_groups said something is wrong."""
+    mine = (None if failure is None else f"{type(failure).__name__}: {failure}", payload)
+    if world_size(group) == 1:
+        return [mine]
+    everyone = [None] * world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
 def raise_together(fn, group: ProcessGroup = None, what: str = "", error_type: type = RuntimeError):
     """Run ``fn`` on every rank; if it raised on any rank, raise ``error_type`` on every rank with
     the first failing rank's message (one all_gather_object). Use it at each boundary where one rank

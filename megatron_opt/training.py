@@ -99,24 +99,16 @@ def _agree(group, failure: Optional[BaseException], aux_names: Optional[list]) -
     learns whether any rank failed or returned other aux losses, and all raise RankError together."""
     n = len(aux_names) if aux_names is not None else -1
     signature = float(zlib.crc32(repr(aux_names).encode()) % (1 << 24)) if aux_names is not None else -1.0
-    flags = torch.tensor([1.0 if failure is not None else 0.0, n, -n, signature, -signature], dtype=torch.float64,
-                         device=collectives.flag_device(group))
-    collectives.all_reduce(flags, group, op=torch.distributed.ReduceOp.MAX)
-    failed, aux_differs = flags[0].item() > 0, flags[1].item() != -flags[2].item() or flags[3].item() != -flags[4].item()
+    flags = collectives.max_over_groups([1.0 if failure is not None else 0.0, n, -n, signature, -signature], [group])
+    failed, aux_differs = flags[0] > 0, flags[1] != -flags[2] or flags[3] != -flags[4]
     if not failed and not aux_differs:
         return
-    message = f"{type(failure).__name__}: {failure}" if failure is not None else None
-    messages = [message]
-    if collectives.world_size(group) > 1:
-        messages = [None] * collectives.world_size(group)
-        torch.distributed.all_gather_object(messages, (message, aux_names), group=group)
-    else:
-        messages = [(message, aux_names)]
-    bad = [(r, m) for r, (m, _) in enumerate(messages) if m is not None]
+    everyone = collectives.gather_failures(failure, group, payload=aux_names)
+    bad = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
     if bad:
         r, m = bad[0]
         raise RankError(f"train_step failed on rank {r}: {m}") from failure
-    names = {r: a for r, (_, a) in enumerate(messages)}
+    names = {r: a for r, (_, a) in enumerate(everyone)}
     raise RankError(f"train_step: the ranks' loss_fn returned different aux losses: {names}; every rank must "
                     f"return the same aux names (return 0 for a term a rank does not have).")
 

@@ -180,16 +180,11 @@ class StepDriver:
             if failure is not None:
                 raise failure
             return
-        flag = torch.tensor([0.0 if failure is None else 1.0], device=collectives.flag_device(groups[0]))
         with record_function("megatron_opt.update_agreement"):
-            for group in groups:
-                collectives.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
-        if flag.item() == 0.0:
+            failed = collectives.max_over_groups([0.0 if failure is None else 1.0], groups)[0] > 0
+        if not failed:
             return
-        message = None if failure is None else f"{type(failure).__name__}: {failure}"
-        messages = [None] * collectives.world_size(groups[0])
-        torch.distributed.all_gather_object(messages, message, group=groups[0])
-        bad = [(r, m) for r, m in enumerate(messages) if m is not None]
+        bad = [(r, m) for r, (m, _) in enumerate(collectives.gather_failures(failure, groups[0])) if m is not None]
         where = f"rank {bad[0][0]} of the data-parallel group: {bad[0][1]}" if bad else "a model-parallel peer"
         raise RankError(f"the optimizer update failed on {where}. The ranks' params may now differ: restart from the "
                         f"last checkpoint.") from failure
