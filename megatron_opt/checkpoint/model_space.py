@@ -148,24 +148,35 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
     return sd
 
 
+def _owned(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> list[tuple[str, torch.Tensor, torch.Size, int]]:
+    """(checkpoint key, live tensor, param shape, piece start) for every piece this rank owns: the
+    model params' pieces without an optimizer (a model-only load), else the optimizer state's, since
+    the params are then the rounded masters (what was saved as the model too)."""
+    entries = param_entries(chunks)
+    if optimizer is None:
+        model_pieces = _model_pieces(chunks)
+        out = []
+        for e in entries:
+            if (e.chunk, e.name) in model_pieces:
+                view, start = model_pieces[(e.chunk, e.name)]
+                out.append((f"model/{e.key}", view, e.param.shape, start))
+        return out
+    pieces = _pieces_by_param(optimizer, chunks)
+    out = []
+    for e in entries:
+        ps = pieces.get((e.chunk, e.name))
+        if ps is not None:
+            out += [(f"optim/{st}/{e.key}", t, e.param.shape, ps.param_start) for st, t in ps.tensors.items()]
+    return out
+
+
 def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
                            load_rank_state: bool) -> dict[str, Any]:
-    """Fresh tensors for everything a load reads: nothing live is written until all is read and checked."""
-    entries = param_entries(chunks)
-    dest: dict[str, Any] = {}
-    # With the optimizer loaded the params are the rounded masters (what was saved as the model too),
-    # so only a model-only load reads model/: one fresh copy of the rank's state, not two.
-    model_pieces = _model_pieces(chunks) if optimizer is None else {}
-    for (c, name), (view, start) in model_pieces.items():
-        key = f"model/{name}" if len(chunks) == 1 else f"model/chunk{c}.{name}"
-        dest[key] = ParamChunk(torch.empty_like(view), _shape_of(entries, c, name), start)
+    """Fresh tensors for everything a load reads (one copy of the rank's state): nothing live is
+    written until all is read and checked."""
+    dest: dict[str, Any] = {key: ParamChunk(torch.empty_like(live), shape, start)
+                            for key, live, shape, start in _owned(chunks, optimizer)}
     if optimizer is not None:
-        pieces = _pieces_by_param(optimizer, chunks)
-        for st in state_names(optimizer):
-            for e in entries:
-                ps = pieces.get((e.chunk, e.name))
-                if ps is not None and st in ps.tensors:
-                    dest[f"optim/{st}/{e.key}"] = ParamChunk(torch.empty_like(ps.tensors[st]), e.param.shape, ps.param_start)
         dest["optim/scalars"] = None
     if scheduler is not None:
         dest["scheduler"] = None
@@ -173,10 +184,6 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     if load_rank_state:
         dest[rank_key()] = None
     return dest
-
-
-def _shape_of(entries: Sequence[ParamEntry], chunk: int, name: str) -> torch.Size:
-    return next(e.param.shape for e in entries if e.chunk == chunk and e.name == name)
 
 
 def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
@@ -189,23 +196,14 @@ def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
 def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[Any],
                        scheduler: Optional[Any]) -> None:
     """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
-    entries = param_entries(chunks)
-    model_pieces = _model_pieces(chunks)
     with torch.no_grad():
-        for e in entries:
-            if (e.chunk, e.name) in model_pieces and f"model/{e.key}" in dest:
-                model_pieces[(e.chunk, e.name)][0].copy_(dest[f"model/{e.key}"].flat)
+        for key, live, _, _ in _owned(chunks, optimizer):
+            live.copy_(dest[key].flat)
         if optimizer is None:  # every rank loaded its own part of the params: gather the rest
             for chunk in chunks:
                 chunk.start_param_sync(force_sync=True)
                 chunk.finish_param_sync()
-        if optimizer is not None:
-            pieces = _pieces_by_param(optimizer, chunks)
-            for st in state_names(optimizer):
-                for e in entries:
-                    ps = pieces.get((e.chunk, e.name))
-                    if ps is not None and st in ps.tensors:
-                        ps.tensors[st].copy_(dest[f"optim/{st}/{e.key}"].flat)
+        else:
             optimizer.load_scalar_state(dest["optim/scalars"])
             optimizer.sync_params_from_masters()
     if scheduler is not None:
