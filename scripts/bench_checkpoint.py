@@ -62,13 +62,10 @@ Tables are printed by rank 0. Every checkpoint is written under a fresh temporar
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
-import gc
 import math
 import os
 import platform
-import resource
 import shutil
 import statistics
 import sys
@@ -83,6 +80,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megatron_opt as mo
+from peak_memory import PeakMemory, setup_malloc  # scripts/peak_memory.py
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
 
@@ -112,41 +110,6 @@ def tensor_bytes(ts) -> int:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
-
-
-# ---------------------------------------------------------------------------------------------- memory
-_libc = None
-
-
-def _malloc_trim() -> None:
-    if _libc is not None:
-        try:
-            _libc.malloc_trim(0)
-        except AttributeError:
-            pass
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakMemory:
-    """Peak RSS over a section, above the RSS at its start (the peak reset via /proc/self/clear_refs)."""
-
-    def start(self) -> None:
-        gc.collect()
-        _malloc_trim()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset_ok = True
-        except OSError:
-            self.reset_ok = False
-        self.base = _rss_bytes()
-
-    def peak_delta(self) -> int:
-        return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - self.base)
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -547,7 +510,6 @@ def fmt_range(hi: float, lo: float, digits: int = 1) -> str:
 
 
 def main() -> None:
-    global _libc
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -566,10 +528,7 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    try:
-        _libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        _libc = None
+    setup_malloc()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

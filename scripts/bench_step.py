@@ -54,13 +54,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime
-import gc
 import math
 import os
 import platform
-import resource
 import statistics
 import sys
 import time
@@ -73,6 +70,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import megatron_opt as mo
+from peak_memory import PeakMemory, setup_malloc  # scripts/peak_memory.py
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -133,65 +131,6 @@ def distinct_storage_bytes(tensors) -> int:
             continue
         seen[(t.device.type, t.device.index, st.data_ptr())] = st.nbytes()
     return sum(seen.values())
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakMemory:
-    """CUDA: allocator peak. CPU: peak RSS, reset before each implementation via /proc/self/clear_refs."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu_peak_reset_ok = False
-
-    def start(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return
-        _malloc_trim()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-            self.cpu_peak_reset_ok = True
-        except OSError:
-            self.cpu_peak_reset_ok = False
-        self.base = _rss_bytes()
-
-    def peak_delta(self) -> int:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        return max(0, peak - self.base)
-
-
-_libc = None
-
-
-def _setup_malloc() -> None:
-    """CPU only: load libc so that malloc_trim can hand freed heap pages back to the OS before each
-    implementation, making its RSS baseline the live memory. (A fixed mmap threshold would do this
-    more reliably but makes every large temporary a fresh mmap and page faults, which distorts times.)"""
-    global _libc
-    try:
-        _libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        _libc = None
-
-
-def _malloc_trim() -> None:
-    if _libc is not None:
-        try:
-            _libc.malloc_trim(0)
-        except AttributeError:
-            pass
 
 
 # ---------------------------------------------------------------------------------------------- variants
@@ -591,7 +530,7 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        _setup_malloc()
+        setup_malloc()
     if args.tokens is None:
         args.tokens = 16 if (args.dtype == "bf16" and device.type == "cpu") else 256
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
