@@ -10,9 +10,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grad_stats", &megatron_opt::grad_stats_cuda, "pass 1: non-finite count, sum of squares, zero count",
         py::arg("grad"), py::arg("bounds"), py::arg("in_norm"), py::arg("span_start"), py::arg("span_end"),
         py::arg("inv_scale"), py::arg("stats"), py::arg("count_zeros"));
-  m.def("copy_grads_to_main", &megatron_opt::copy_grads_to_main_cuda, "main_grad = float(grad) * inv_scale",
-        py::arg("grad"), py::arg("main_grad"), py::arg("span_start"), py::arg("span_end"), py::arg("inv_scale"),
-        py::arg("found_inf"));
   m.def("advance_step", &megatron_opt::advance_step_cuda, "step += 1 unless found_inf != 0", py::arg("step"),
         py::arg("found_inf"));
   m.def("adamw_step", &megatron_opt::adamw_step_cuda, "pass 2: AdamW", py::arg("grad"), py::arg("master"),

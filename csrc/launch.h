@@ -16,10 +16,6 @@ void grad_stats_cuda(const at::Tensor& grad, const at::Tensor& bounds, const at:
                      int64_t span_start, int64_t span_end, const at::Tensor& inv_scale, const at::Tensor& stats,
                      bool count_zeros);
 
-// main_grad[span] = float(grad[span]) * inv_scale; found_inf = max(found_inf, 1) if any non-finite.
-void copy_grads_to_main_cuda(const at::Tensor& grad, const at::Tensor& main_grad, int64_t span_start,
-                             int64_t span_end, const at::Tensor& inv_scale, const at::Tensor& found_inf);
-
 // step += 1 unless found_inf != 0.
 void advance_step_cuda(const at::Tensor& step, const std::optional<at::Tensor>& found_inf);
 

@@ -140,17 +140,6 @@ def oracle_stats(grad: torch.Tensor, table: PieceTable, inv_scale: float, count_
     return nonfinite, sumsq, (zeros if count_zeros else 0)
 
 
-def oracle_copy(grad: torch.Tensor, table: PieceTable, inv_scale: float):
-    span = table.span()
-    out = torch.zeros(table.numel, dtype=torch.float64, device=grad.device)
-    if span is None:
-        return out, False
-    a, b = span
-    x = grad[a:b].double()
-    out[a:b] = x * inv_scale
-    return out, bool((~torch.isfinite(x)).any())
-
-
 def oracle_adamw(grad, master, m, v, table, lr, wd, grad_scale, step, beta1=BETA1, beta2=BETA2, eps=EPS):
     g = grad.double() * grad_scale
     W, M, V = master.double().clone(), m.double().clone(), v.double().clone()
@@ -310,29 +299,6 @@ def test_reference_excluded_pieces_not_in_norm():
     ref.grad_stats(grad, table, torch.tensor([0.5]), stats)
     assert stats[1].item() == pytest.approx(0.25 * (8 * 1.0 + 3 * 4.0))
     assert stats[0].item() == 0 and stats[2].item() == 0
-
-
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", GRAD_DTYPES)
-@pytest.mark.parametrize("specials", [False, True])
-def test_reference_copy_grads_to_main(n, layout, dtype, specials):
-    table = make_table(n, layout)
-    grad = make_grad(table, dtype, seed=n + 7, specials=specials)
-    main = torch.full((n,), 5.0)
-    found = torch.zeros(1)
-    ref.copy_grads_to_main(grad, main, table, torch.tensor([0.125]), found)
-    want, bad = oracle_copy(grad, table, 0.125)
-    span = table.span()
-    if span is not None:
-        a, b = span
-        # float(g) * inv is exact in float64, so the fp32 result is its single rounding
-        assert_exact(main[a:b], want[a:b].float(), 'main_grad')
-        assert torch.all(main[:a] == 5.0) and torch.all(main[b:] == 5.0)
-    assert found.item() == (1.0 if bad else 0.0)
-    found.fill_(1.0)
-    ref.copy_grads_to_main(make_grad(table, dtype, seed=1), main, table, torch.tensor([1.0]), found)
-    assert found.item() == 1.0  # found_inf is only ever raised
 
 
 # (grad dtype, param_out dtype) pairs for the CPU reference; the CUDA test runs the full product.
@@ -558,57 +524,6 @@ def test_cuda_grad_stats_excluded_pieces_not_in_norm():
     grad[12] = math.inf  # excluded from the norm, still counted as non-finite
     impl.grad_stats(grad, table, _scalar(0.5), stats)
     assert stats[0].item() == 1.0 and math.isfinite(stats[1].item())
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", GRAD_DTYPES)
-@pytest.mark.parametrize("specials", [False, True])
-def test_cuda_copy_grads_to_main(n, layout, dtype, specials):
-    impl = _cuda_impl()
-    table = make_table(n, layout)
-    grad = make_grad(table, dtype, seed=n + 7, specials=specials, device=DEV)
-    main = torch.full((n,), 5.0, device=DEV)
-    found = torch.zeros(1, device=DEV)
-    impl.copy_grads_to_main(grad, main, table, _scalar(0.125), found)
-    want, bad = oracle_copy(grad, table, 0.125)
-    span = table.span()
-    if span is not None:
-        a, b = span
-        assert_exact(main[a:b], want[a:b].float(), 'main_grad')
-        assert torch.all(main[:a] == 5.0) and torch.all(main[b:] == 5.0)
-    assert found.item() == (1.0 if bad else 0.0)
-    main_ref, found_ref = torch.full((n,), 5.0, device=DEV), torch.zeros(1, device=DEV)
-    ref.copy_grads_to_main(grad, main_ref, table, _scalar(0.125), found_ref)
-    assert_exact(main, main_ref, 'main_grad vs reference')
-    assert torch.equal(found, found_ref)
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize("goff,moff", [(0, 0), (1, 1), (3, 3), (1, 0), (0, 2)])
-def test_cuda_copy_grads_views_and_in_place(goff, moff):
-    impl = _cuda_impl()
-    table = gapped_table(100003)
-    for dtype in GRAD_DTYPES:
-        grad = _offset_view(make_grad(table, dtype, seed=11, specials=True, device=DEV), goff)
-        main = _offset_view(torch.zeros(table.numel, device=DEV), moff)
-        found = torch.zeros(1, device=DEV)
-        impl.copy_grads_to_main(grad, main, table, _scalar(0.5), found)
-        want, bad = oracle_copy(grad, table, 0.5)
-        a, b = table.span()
-        assert_exact(main[a:b], want[a:b].float(), 'main_grad')
-        assert found.item() == 1.0 and bad
-    # in place on fp32 grads (main_grad is the grad buffer)
-    g = _offset_view(make_grad(table, torch.float32, seed=12, device=DEV), goff)
-    want, _ = oracle_copy(g, table, 0.5)
-    found = torch.zeros(1, device=DEV)
-    impl.copy_grads_to_main(g, g, table, _scalar(0.5), found)
-    a, b = table.span()
-    assert_exact(g[a:b], want[a:b].float(), 'in-place main_grad')
-    assert found.item() == 0.0
 
 
 def _run_adamw(impl, grad, master, m, v, param_out, table, gs, step, lr=LR, wd=WD, found=None):
@@ -909,8 +824,6 @@ def test_wrapper_arguments_reach_the_extension(monkeypatch):
     cuda_only = pytest.raises(RuntimeError, match="must be a CUDA tensor")
     with cuda_only:
         impl.grad_stats(torch.zeros(n, dtype=torch.bfloat16), table, one, stats, count_zeros=False)
-    with cuda_only:
-        impl.copy_grads_to_main(torch.zeros(n, dtype=torch.float16), f32(), table, one, torch.zeros(1))
     for po in (None, torch.zeros(n, dtype=torch.bfloat16)):
         with cuda_only:
             impl.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
@@ -949,11 +862,6 @@ def test_wrapper_validation(wrapper):
         impl.grad_stats(grad, table, torch.ones(2, device=dev), stats)
     with pytest.raises(TypeError, match="float64"):
         impl.grad_stats(grad, table, one, stats.float())
-    with pytest.raises(TypeError, match="dtype"):
-        impl.copy_grads_to_main(grad, grad.half(), table, one, torch.zeros(1, device=dev))
-    with pytest.raises(ValueError, match="overlap"):
-        buf = torch.zeros(40, device=dev)
-        impl.copy_grads_to_main(buf[:16], buf[8:24], table, one, torch.zeros(1, device=dev))
     master, m, v = (torch.zeros(16, device=dev) for _ in range(3))
     step = torch.ones(1, dtype=torch.int64, device=dev)
     kw = dict(grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)

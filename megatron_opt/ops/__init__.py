@@ -68,11 +68,6 @@ def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, s
     _impl(grad, backend).grad_stats(grad, table, inv_scale, stats, count_zeros)
 
 
-def copy_grads_to_main(grad: torch.Tensor, main_grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor,
-                       found_inf: torch.Tensor, *, backend: Backend = "auto") -> None:
-    _impl(grad, backend).copy_grads_to_main(grad, main_grad, table, inv_scale, found_inf)
-
-
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
     """step += 1 on the device, unless ``found_inf`` is given and nonzero."""
     _impl(step, backend).advance_step(step, found_inf)
@@ -114,7 +109,6 @@ __all__ = [
     "resolve_backend",
     "backend_for",
     "grad_stats",
-    "copy_grads_to_main",
     "advance_step",
     "adamw_step",
     "sgd_step",

@@ -17,7 +17,6 @@ from . import reference
 from .common import is_skipped, sum_of_squares
 from .piece_table import PieceTable
 
-copy_grads_to_main = reference.copy_grads_to_main
 advance_step = reference.advance_step
 sgd_step = reference.sgd_step
 lion_step = reference.lion_step  # torch has no fused Lion; the reference is already one pass of vector ops

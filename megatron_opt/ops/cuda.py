@@ -124,29 +124,6 @@ def grad_stats(
     _C.grad_stats(grad, d["bounds"], d["in_norm"], span[0], span[1], inv_scale, stats, bool(count_zeros))
 
 
-def copy_grads_to_main(
-    grad: torch.Tensor,
-    main_grad: torch.Tensor,
-    table: PieceTable,
-    inv_scale: torch.Tensor,
-    found_inf: torch.Tensor,
-) -> None:
-    op = "copy_grads_to_main"
-    device = _cuda_device(op, grad)
-    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
-    _check_flat(op, "main_grad", main_grad, device, (torch.float32,), table)
-    _check_scalar(op, "inv_scale", inv_scale, device, torch.float32)
-    _check_scalar(op, "found_inf", found_inf, device, torch.float32)
-    _check_no_overlap(
-        op, {"grad": grad, "main_grad": main_grad, "inv_scale": inv_scale, "found_inf": found_inf},
-        allow_same=[("grad", "main_grad")],
-    )
-    span = table.span()
-    if span is None:
-        return
-    _C.copy_grads_to_main(grad, main_grad, span[0], span[1], inv_scale, found_inf)
-
-
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
     op = "advance_step"
     if not isinstance(step, torch.Tensor) or not step.is_cuda:
@@ -289,4 +266,4 @@ def lion_step(
     )
 
 
-__all__ = ["grad_stats", "copy_grads_to_main", "advance_step", "adamw_step", "sgd_step", "lion_step"]
+__all__ = ["grad_stats", "advance_step", "adamw_step", "sgd_step", "lion_step"]

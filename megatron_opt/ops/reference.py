@@ -44,24 +44,6 @@ def grad_stats(
     stats.add_(torch.stack([nonfinite.double(), sumsq, zeros.double()]))
 
 
-def copy_grads_to_main(
-    grad: torch.Tensor,
-    main_grad: torch.Tensor,
-    table: PieceTable,
-    inv_scale: torch.Tensor,
-    found_inf: torch.Tensor,
-) -> None:
-    """main_grad = float(grad) * inv_scale over the piece span; found_inf |= any non-finite grad."""
-    span = table.span()
-    if span is None:
-        return
-    src = grad[span[0] : span[1]]
-    dst = main_grad[span[0] : span[1]]
-    dst.copy_(src).mul_(inv_scale)
-    bad = torch.isfinite(src).logical_not_().any().to(found_inf.dtype)
-    torch.maximum(found_inf, bad, out=found_inf)
-
-
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
     """step += 1, unless the device flag says the step is skipped."""
     if found_inf is None:
