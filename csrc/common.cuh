@@ -4,13 +4,14 @@
 //   * 16-bit floats are carried as raw uint16_t bits and converted with the CUDA intrinsics, so the
 //     kernels never depend on the (operator-less) __half / __nv_bfloat16 classes.
 //   * All element indices are int64_t.
-//   * A launch works on one flat shard [span_start, span_end).  The span is cut into one contiguous
-//     range per block (grid = a few blocks per SM); inside its range a block walks the pieces of
-//     the piece table in order and processes each overlap with a block-stride loop.
+//   * A launch covers every shard of a step plan (megatron_opt/ops/step_plan.py): a pointer table
+//     (one row of raw addresses per shard) and a chunk table (one row per chunk: shard, start, end,
+//     meta). Chunks have a fixed maximum size, never cross a piece boundary and never include
+//     padding, and the grid is one block per chunk. So the work of a block, and any partial result
+//     it writes, depends on the table alone, never on the GPU model or the grid size.
 //   * "Vector" accesses move VEC consecutive elements of every array at once (16 bytes of the grad).
-//     They are used only when every array of the launch has the same element phase modulo VEC
-//     (see same_phase()); piece heads/tails that are not on a vector boundary are done one
-//     element per thread.
+//     The host records per chunk the common element phase of all its arrays modulo VEC, or "none"
+//     (then the chunk runs one element per thread); heads/tails off a vector boundary are scalar.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,13 +22,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 
 namespace megatron_opt {
 
 constexpr int kThreads = 256;          // threads per block of every streaming kernel
-constexpr int kMaxBlocksPerSM = 8;     // 8 * 256 = 2048 resident threads on sm_80/sm_90
-constexpr int kFinalizeThreads = 256;  // the one-block reduction of grad_stats partials
+constexpr int kFinalizeThreads = 1024;  // the one-block reduction of grad_stats chunk partials
 
 // ---------------------------------------------------------------------------------------------
 // dtype traits: storage type + exact conversions to/from fp32 (round to nearest even on the way down)
@@ -130,44 +129,6 @@ __device__ __forceinline__ T block_sum(T v, T* smem) {
   return v;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Work partition
-// ---------------------------------------------------------------------------------------------
-// Range of the span owned by this block. All block ranges start on a vector boundary
-// (aligned_base is one and chunk is a multiple of VEC), so vector boundaries never move.
-struct BlockRange {
-  int64_t lo, hi;
-};
-
-__host__ __device__ __forceinline__ BlockRange block_range_of(int64_t b, int64_t span_start, int64_t span_end,
-                                                             int64_t aligned_base, int64_t chunk) {
-  BlockRange r;
-  const int64_t lo = aligned_base + b * chunk;
-  const int64_t hi = lo + chunk;
-  r.lo = lo > span_start ? lo : span_start;
-  r.hi = hi < span_end ? hi : span_end;
-  return r;
-}
-
-__device__ __forceinline__ BlockRange block_range(int64_t span_start, int64_t span_end, int64_t aligned_base,
-                                                  int64_t chunk) {
-  return block_range_of(static_cast<int64_t>(blockIdx.x), span_start, span_end, aligned_base, chunk);
-}
-
-// First piece whose end is > pos (bounds is [npiece, 2] int64 row-major: start, end).
-__host__ __device__ __forceinline__ int64_t first_piece_ending_after(const int64_t* bounds, int64_t npiece, int64_t pos) {
-  int64_t lo = 0, hi = npiece;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (bounds[2 * mid + 1] <= pos) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // Split [a, e) into a scalar head, a vector body and a scalar tail.
 // Element i starts a vector iff (i + phase) % VEC == 0.
 struct Split {
@@ -188,68 +149,36 @@ __host__ __device__ __forceinline__ Split split_range(int64_t a, int64_t e, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Host-side launch helpers
+// Step-plan tables (layout shared with megatron_opt/ops/step_plan.py)
 // ---------------------------------------------------------------------------------------------
-// Common element phase (pointer / elem_size) % vec of all arrays, or -1 if they differ.
-struct PtrInfo {
-  const void* ptr;  // nullptr entries are ignored
-  int64_t elem_size;
+constexpr int kPtrCols = 5;    // per shard: grad, master, state0, state1, param_out (0 when absent)
+constexpr int kChunkCols = 4;  // per chunk: shard, start, end, meta
+constexpr int64_t kGroupMask = 0xffffffffLL;  // meta bits 0..31: param-group id
+constexpr int kInNormBit = 32;                // meta bit 32: the piece counts in the grad norm
+constexpr int kPhaseShift = 40;               // meta bits 40..47: vector phase + 1 (0: scalar only)
+
+struct Chunk {
+  int64_t shard, start, end;
+  int group;
+  bool in_norm;
+  int phase;  // -1: no common phase, scalar path
 };
 
-inline int common_phase(std::initializer_list<PtrInfo> arrays, int vec) {
-  int phase = -1;
-  for (const PtrInfo& a : arrays) {
-    if (a.ptr == nullptr) continue;
-    const uint64_t addr = reinterpret_cast<uint64_t>(a.ptr);
-    if (addr % static_cast<uint64_t>(a.elem_size) != 0) return -1;
-    const int r = static_cast<int>((addr / static_cast<uint64_t>(a.elem_size)) % static_cast<uint64_t>(vec));
-    if (phase == -1) {
-      phase = r;
-    } else if (phase != r) {
-      return -1;
-    }
-  }
-  return phase;
+__device__ __forceinline__ Chunk load_chunk(const int64_t* __restrict__ chunks, int64_t c) {
+  const int64_t* r = chunks + kChunkCols * c;
+  Chunk k;
+  k.shard = r[0];
+  k.start = r[1];
+  k.end = r[2];
+  const int64_t meta = r[3];
+  k.group = static_cast<int>(meta & kGroupMask);
+  k.in_norm = ((meta >> kInNormBit) & 1) != 0;
+  k.phase = static_cast<int>((meta >> kPhaseShift) & 0xff) - 1;
+  return k;
 }
 
-struct LaunchPlan {
-  int grid;
-  int64_t aligned_base;  // a vector boundary <= span_start
-  int64_t chunk;         // elements per block, a multiple of vec
-  int phase;             // common phase (0 when !vec_ok)
-  bool vec_ok;
-};
-
-template <typename Kernel>
-inline int max_blocks_per_sm(Kernel kernel) {
-  int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
-  return std::max(1, std::min(n, kMaxBlocksPerSM));
-}
-
-// Pure partition math (also exercised on the host by csrc/tests/check_partition.cu).
-// min_per_block: elements that make one block worth launching (one full unrolled iteration).
-inline LaunchPlan plan_partition(int64_t span_start, int64_t span_end, int phase, int vec, int64_t max_grid,
-                                 int64_t min_per_block) {
-  LaunchPlan p;
-  p.vec_ok = phase >= 0;
-  p.phase = p.vec_ok ? phase : 0;
-  const int64_t v = p.vec_ok ? vec : 1;
-  p.aligned_base = p.vec_ok ? span_start - ((span_start + p.phase) % v) : span_start;
-  const int64_t total = span_end - p.aligned_base;
-  const int64_t want = (total + min_per_block - 1) / min_per_block;
-  p.grid = static_cast<int>(std::max<int64_t>(1, std::min(max_grid, want)));
-  int64_t chunk = (total + p.grid - 1) / p.grid;
-  chunk = (chunk + v - 1) / v * v;
-  p.chunk = std::max<int64_t>(chunk, v);
-  return p;
-}
-
-inline LaunchPlan make_plan(int64_t span_start, int64_t span_end, int phase, int vec, int blocks_per_sm,
-                            int64_t min_per_block) {
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return plan_partition(span_start, span_end, phase, vec, static_cast<int64_t>(sms) * blocks_per_sm, min_per_block);
-}
+// dtype codes of the step-plan entry points (ops/step_plan.py DTYPE_CODES)
+constexpr int kCodeF32 = 0, kCodeBF16 = 1, kCodeF16 = 2, kCodeNone = -1;
 
 // ---------------------------------------------------------------------------------------------
 // Host-side argument checks (the Python wrapper checks first, with friendlier messages)
@@ -275,15 +204,15 @@ inline void check_scalar(const at::Tensor& t, const char* name, const at::Device
   TORCH_CHECK(t.numel() == 1, name, " must have exactly one element, got ", t.numel());
 }
 
-inline void check_table(const at::Tensor& bounds, const at::Tensor& per_piece, const char* per_piece_name,
-                        at::ScalarType per_piece_dtype, const at::Device& device) {
-  check_cuda_tensor(bounds, "bounds", device);
-  check_dtype(bounds, "bounds", at::kLong);
-  TORCH_CHECK(bounds.dim() == 2 && bounds.size(1) == 2, "bounds must have shape [npiece, 2]");
-  check_cuda_tensor(per_piece, per_piece_name, device);
-  check_dtype(per_piece, per_piece_name, per_piece_dtype);
-  TORCH_CHECK(per_piece.dim() == 1 && per_piece.size(0) == bounds.size(0), per_piece_name,
-              " must have one entry per piece");
+// A step plan's tables: int64, contiguous, on `device`, with the expected column count.
+inline void check_plan_tables(const at::Tensor& ptrs, const at::Tensor& chunks, const at::Device& device) {
+  check_cuda_tensor(ptrs, "ptrs", device);
+  check_dtype(ptrs, "ptrs", at::kLong);
+  TORCH_CHECK(ptrs.dim() == 2 && ptrs.size(1) == kPtrCols, "ptrs must have shape [nshard, ", kPtrCols, "]");
+  check_cuda_tensor(chunks, "chunks", device);
+  check_dtype(chunks, "chunks", at::kLong);
+  TORCH_CHECK(chunks.dim() == 2 && chunks.size(1) == kChunkCols, "chunks must have shape [nchunk, ", kChunkCols, "]");
+  TORCH_CHECK(chunks.size(0) <= INT32_MAX, "too many chunks for one launch: ", chunks.size(0));
 }
 
 inline bool is_grad_dtype(at::ScalarType t) {

@@ -1,44 +1,40 @@
 // Host entry points of the megatron_opt CUDA kernels (implemented in the .cu files, bound in
 // bindings.cpp). Every function checks its arguments, runs on the current CUDA stream of the
 // tensors' device and never synchronises with the host.
+//
+// The step-plan tables (built once by megatron_opt/ops/step_plan.py, layout in common.cuh):
+//   ptrs    int64 [nshard, 5]: raw addresses of grad, master, state0, state1, param_out (0 = absent)
+//   chunks  int64 [nchunk, 4]: shard, start, end, meta (group id, in-norm bit, vector phase)
+// dtype codes: 0 fp32, 1 bf16, 2 fp16, -1 no param_out.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <vector>
 
 namespace megatron_opt {
 
-// stats[0..2] += {non-finite count, sum over in-norm pieces of (grad*inv_scale)^2, zero count}.
-// bounds: int64 [npiece, 2]; in_norm: uint8 [npiece]; [span_start, span_end) = first start, last end.
-void grad_stats_cuda(const at::Tensor& grad, const at::Tensor& bounds, const at::Tensor& in_norm,
-                     int64_t span_start, int64_t span_end, const at::Tensor& inv_scale, const at::Tensor& stats,
-                     bool count_zeros);
+// Pass 1: stats[0..2] += {non-finite count, inv_scale^2 * sum over in-norm pieces of grad^2, zero count}.
+// sumsq_ws: float64 [>= nchunk]; counts_ws: int32 [>= 2 * nchunk] (per-chunk partials).
+void grad_stats_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code,
+                     const at::Tensor& inv_scale, const at::Tensor& stats, const at::Tensor& sumsq_ws,
+                     const at::Tensor& counts_ws, bool count_zeros);
 
 // step += 1 unless found_inf != 0.
 void advance_step_cuda(const at::Tensor& step, const std::optional<at::Tensor>& found_inf);
 
-// One AdamW step (torch.optim.AdamW formula) over the pieces; lr/weight_decay per group id.
-void adamw_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
-                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param_out,
-                     const at::Tensor& bounds, const at::Tensor& group, int64_t span_start, int64_t span_end,
-                     const std::vector<double>& lr, const std::vector<double>& weight_decay,
-                     const at::Tensor& grad_scale, const at::Tensor& step, double beta1, double beta2, double eps,
-                     const std::optional<at::Tensor>& found_inf);
+// Pass 2 over every chunk. lr_wd: float64 [ngroups, 2] device table (lr, weight decay) per param
+// group; the grad is multiplied by float(grad_scale * clip_coef); nothing is written when found_inf != 0.
+void adamw_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
+                     const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, const at::Tensor& step,
+                     double beta1, double beta2, double eps, const std::optional<at::Tensor>& found_inf);
 
-// One SGD step (torch.optim.SGD formula, dampening 0) over the pieces.
-void sgd_step_cuda(const at::Tensor& grad, const at::Tensor& master, const std::optional<at::Tensor>& momentum_buffer,
-                   const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
-                   int64_t span_start, int64_t span_end, const std::vector<double>& lr,
-                   const std::vector<double>& weight_decay, const at::Tensor& grad_scale, double momentum,
+void sgd_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
+                   const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, double momentum,
                    bool nesterov, const std::optional<at::Tensor>& found_inf);
 
-// One Lion step (decoupled weight decay) over the pieces; lr/weight_decay per group id.
-void lion_step_cuda(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
-                    const std::optional<at::Tensor>& param_out, const at::Tensor& bounds, const at::Tensor& group,
-                    int64_t span_start, int64_t span_end, const std::vector<double>& lr,
-                    const std::vector<double>& weight_decay, const at::Tensor& grad_scale, double beta1, double beta2,
-                    const std::optional<at::Tensor>& found_inf);
+void lion_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
+                    const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, double beta1,
+                    double beta2, const std::optional<at::Tensor>& found_inf);
 
 }  // namespace megatron_opt

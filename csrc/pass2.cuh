@@ -1,158 +1,199 @@
-// Helpers shared by the pass-2 (optimizer update) kernels: adamw.cu, sgd.cu, lion.cu.
+// The pass-2 (optimizer update) kernel shared by adamw.cu, sgd.cu and lion.cu.
 //
-// Every pass-2 kernel walks the pieces of one flat shard exactly like the others (see common.cuh):
-// only piece elements are touched, padding gaps between pieces are never written. Per-step scalars
-// (grad_scale, step, found_inf) are read from device memory; if found_inf is given and nonzero (NaN
-// counts as nonzero), every block returns before touching memory, so all state is left bitwise
-// unchanged. lr and weight decay are per param group: up to kMaxInlineGroups groups travel by
-// value in the kernel arguments (no copy to the device, CUDA-graph capturable), more are uploaded
-// to a small float64 device tensor.
-//
-// The fp32 arithmetic of each kernel mirrors the reference's sequence of torch ops, each rounded
-// once (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track ops.reference.
+// One launch covers every chunk of a step plan (see common.cuh), one block per chunk. A rule supplies
+// its per-element math; this file walks the chunk (scalar head, 16-byte vector body, scalar tail),
+// reads the per-step scalars from device memory and writes piece elements only: padding gaps between
+// pieces are never touched.
+//   * lr and weight decay come from a float64 device table [ngroups, 2] (lr, wd) that the optimizer
+//     updates in place, so a captured CUDA graph replays the current values.
+//   * grad_scale (inv loss scale times DP pre-scale) is a device scalar; clip_coef multiplies it
+//     (one fp32 rounding, as the reference's grad_scale * clip_coef).
+//   * if found_inf is given and nonzero (NaN counts as nonzero) every block returns before touching
+//     memory, so all state is left bitwise unchanged.
+// The fp32 arithmetic of each rule mirrors the reference's sequence of torch ops, each rounded once
+// (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track ops.reference.
 #pragma once
 
 #include "common.cuh"
 
 #include <optional>
 #include <utility>
-#include <vector>
 
 namespace megatron_opt {
 
-// ------------------------------------------------------------------------------------------------
-// Per-group lr / weight decay
-// ------------------------------------------------------------------------------------------------
-constexpr int kMaxInlineGroups = 64;
+constexpr int kPass2Unroll = 2;  // vector packs in flight per thread
 
-struct GroupParams {
-  double lr[kMaxInlineGroups];
-  double wd[kMaxInlineGroups];
-};
-
-struct GroupSource {
-  GroupParams inline_params;
-  const double* device_params;  // [ngroups, 2] (lr, wd) or nullptr when inline
-  int ngroups;
-};
-
-__device__ __forceinline__ void group_lr_wd(const GroupSource& src, const int32_t* group, int64_t s, double& lr,
-                                            double& wd) {
-  int gid = group[s];
-  gid = gid < 0 ? 0 : (gid >= src.ngroups ? src.ngroups - 1 : gid);  // the Python wrapper validates ids
-  if (src.device_params != nullptr) {
-    lr = src.device_params[2 * gid];
-    wd = src.device_params[2 * gid + 1];
-  } else {
-    lr = src.inline_params.lr[gid];
-    wd = src.inline_params.wd[gid];
-  }
+// Rule interface (see AdamwRule in adamw.cu):
+//   static constexpr int kStates;                  // fp32 state arrays (0, 1 or 2)
+//   struct Args;                                   // per-launch constants, passed by value
+//   struct Seg;                                    // per-chunk constants
+//   static __device__ Seg seg(const Args&, double lr, double wd, float grad_scale);
+//   static __device__ void math(float g, float& w, float& s0, float& s1, const Args&, const Seg&);
+template <typename Rule, typename GT, typename PT, bool kParamOut>
+__device__ __forceinline__ void update_one(const typename GT::S* grad, float* w, float* s0, float* s1,
+                                           typename PT::S* po, int64_t i, const typename Rule::Args& a,
+                                           const typename Rule::Seg& k) {
+  float wv = w[i];
+  float v0 = Rule::kStates > 0 ? s0[i] : 0.0f;
+  float v1 = Rule::kStates > 1 ? s1[i] : 0.0f;
+  Rule::math(GT::to_float(grad[i]), wv, v0, v1, a, k);
+  w[i] = wv;
+  if constexpr (Rule::kStates > 0) s0[i] = v0;
+  if constexpr (Rule::kStates > 1) s1[i] = v1;
+  if constexpr (kParamOut) po[i] = PT::from_float(wv);
 }
 
-// Fills `src` (inline when it fits); `holder` keeps an uploaded table alive until after the launch.
-inline void prepare_groups(const std::vector<double>& lr, const std::vector<double>& wd, const at::Device& device,
-                           GroupSource& src, at::Tensor& holder) {
-  TORCH_CHECK(!lr.empty(), "lr must have one entry per param group");
-  TORCH_CHECK(lr.size() == wd.size(), "lr and weight_decay must have the same length, got ", lr.size(), " and ",
-              wd.size());
-  TORCH_CHECK(lr.size() <= static_cast<size_t>(INT32_MAX), "too many param groups");
-  src.ngroups = static_cast<int>(lr.size());
-  src.device_params = nullptr;
-  for (int i = 0; i < kMaxInlineGroups; ++i) {
-    src.inline_params.lr[i] = i < src.ngroups ? lr[i] : 0.0;
-    src.inline_params.wd[i] = i < src.ngroups ? wd[i] : 0.0;
-  }
-  if (src.ngroups > kMaxInlineGroups) {
-    at::Tensor host = at::empty({2 * static_cast<int64_t>(src.ngroups)}, at::TensorOptions().dtype(at::kDouble));
-    double* h = host.data_ptr<double>();
-    for (int i = 0; i < src.ngroups; ++i) {
-      h[2 * i] = lr[i];
-      h[2 * i + 1] = wd[i];
+template <typename Rule, typename GT, typename PT, bool kParamOut>
+__global__ void __launch_bounds__(kThreads)
+    pass2_kernel(const int64_t* __restrict__ ptrs, const int64_t* __restrict__ chunks,
+                 const double* __restrict__ lr_wd, int ngroups, const float* __restrict__ grad_scale_ptr,
+                 float clip_coef, const float* __restrict__ found_inf_ptr, const typename Rule::Args a) {
+  using GS = typename GT::S;
+  using PS = typename PT::S;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(GS));
+  if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;  // skipped step: write nothing
+  const Chunk c = load_chunk(chunks, blockIdx.x);
+  const int64_t* row = ptrs + kPtrCols * c.shard;
+  const GS* grad = reinterpret_cast<const GS*>(row[0]);
+  float* w = reinterpret_cast<float*>(row[1]);
+  float* s0 = reinterpret_cast<float*>(row[2]);
+  float* s1 = reinterpret_cast<float*>(row[3]);
+  PS* po = reinterpret_cast<PS*>(row[4]);
+  const int gid = c.group < 0 ? 0 : (c.group >= ngroups ? ngroups - 1 : c.group);  // validated on the host
+  const typename Rule::Seg k =
+      Rule::seg(a, lr_wd[2 * gid], lr_wd[2 * gid + 1], __fmul_rn(*grad_scale_ptr, clip_coef));
+
+  if (c.phase < 0) {
+    for (int64_t i = c.start + threadIdx.x; i < c.end; i += kThreads) {
+      update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, i, a, k);
     }
-    holder = host.to(device);  // synchronous copy from pageable memory (not capturable)
-    src.device_params = holder.data_ptr<double>();
-  }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Host side: dtype dispatch and argument checks
-// ------------------------------------------------------------------------------------------------
-// Runs L<GT, PT>::run(args...) for the runtime grad / param_out dtypes. Without a param_out the
-// fp32 instantiation is used with a null pointer (the kernels test it at run time).
-template <template <typename, typename> class L, typename GT, typename... Args>
-void dispatch_param(std::optional<at::ScalarType> param_t, const char* op, Args&&... args) {
-  if (!param_t.has_value()) {
-    L<GT, F32>::run(std::forward<Args>(args)...);
     return;
   }
-  switch (*param_t) {
-    case at::kFloat:
-      L<GT, F32>::run(std::forward<Args>(args)...);
+  const Split sp = split_range<VEC>(c.start, c.end, c.phase);
+  if (static_cast<int64_t>(threadIdx.x) < sp.head_end - c.start) {
+    update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, c.start + threadIdx.x, a, k);
+  }
+  if (static_cast<int64_t>(threadIdx.x) < c.end - sp.body_end) {
+    update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, sp.body_end + threadIdx.x, a, k);
+  }
+  for (int64_t base = 0; base < sp.nvec; base += static_cast<int64_t>(kThreads) * kPass2Unroll) {
+    Pack<GS, VEC> gp[kPass2Unroll];
+    Pack<float, VEC> wp[kPass2Unroll], p0[kPass2Unroll], p1[kPass2Unroll];
+#pragma unroll
+    for (int u = 0; u < kPass2Unroll; ++u) {
+      const int64_t v = base + static_cast<int64_t>(u) * kThreads + threadIdx.x;
+      if (v < sp.nvec) {
+        const int64_t i = sp.head_end + v * VEC;
+        gp[u] = load_pack<GS, VEC>(grad + i);
+        wp[u] = load_pack<float, VEC>(w + i);
+        if constexpr (Rule::kStates > 0) p0[u] = load_pack<float, VEC>(s0 + i);
+        if constexpr (Rule::kStates > 1) p1[u] = load_pack<float, VEC>(s1 + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kPass2Unroll; ++u) {
+      const int64_t v = base + static_cast<int64_t>(u) * kThreads + threadIdx.x;
+      if (v < sp.nvec) {
+        const int64_t i = sp.head_end + v * VEC;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          float v0 = Rule::kStates > 0 ? p0[u].e[j] : 0.0f;
+          float v1 = Rule::kStates > 1 ? p1[u].e[j] : 0.0f;
+          Rule::math(GT::to_float(gp[u].e[j]), wp[u].e[j], v0, v1, a, k);
+          if constexpr (Rule::kStates > 0) p0[u].e[j] = v0;
+          if constexpr (Rule::kStates > 1) p1[u].e[j] = v1;
+        }
+        store_pack<float, VEC>(w + i, wp[u]);
+        if constexpr (Rule::kStates > 0) store_pack<float, VEC>(s0 + i, p0[u]);
+        if constexpr (Rule::kStates > 1) store_pack<float, VEC>(s1 + i, p1[u]);
+        if constexpr (kParamOut) {
+          Pack<PS, VEC> pp;
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) pp.e[j] = PT::from_float(wp[u].e[j]);
+          store_pack<PS, VEC>(po + i, pp);
+        }
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: argument checks and dtype dispatch
+// ------------------------------------------------------------------------------------------------
+struct Pass2Args {
+  const at::Tensor& ptrs;
+  const at::Tensor& chunks;
+  const at::Tensor& lr_wd;
+  const at::Tensor& grad_scale;
+  double clip_coef;
+  const std::optional<at::Tensor>& found_inf;
+};
+
+inline at::Device check_pass2(const char* op, const Pass2Args& p) {
+  TORCH_CHECK(p.grad_scale.is_cuda(), op, ": grad_scale must be a CUDA tensor");
+  const at::Device device = p.grad_scale.device();
+  check_plan_tables(p.ptrs, p.chunks, device);
+  check_cuda_tensor(p.lr_wd, "lr_wd", device);
+  check_dtype(p.lr_wd, "lr_wd", at::kDouble);
+  TORCH_CHECK(p.lr_wd.dim() == 2 && p.lr_wd.size(1) == 2 && p.lr_wd.size(0) >= 1,
+              op, ": lr_wd must have shape [ngroups, 2]");
+  TORCH_CHECK(p.lr_wd.size(0) <= INT32_MAX, op, ": too many param groups");
+  check_scalar(p.grad_scale, "grad_scale", device, at::kFloat);
+  if (p.found_inf.has_value()) check_scalar(*p.found_inf, "found_inf", device, at::kFloat);
+  return device;
+}
+
+template <typename Rule, typename GT, typename PT, bool kParamOut>
+void launch_pass2(const Pass2Args& p, const typename Rule::Args& a) {
+  const unsigned grid = static_cast<unsigned>(p.chunks.size(0));
+  const float* fi = p.found_inf.has_value() ? p.found_inf->template data_ptr<float>() : nullptr;
+  pass2_kernel<Rule, GT, PT, kParamOut><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      p.ptrs.template data_ptr<int64_t>(), p.chunks.template data_ptr<int64_t>(), p.lr_wd.template data_ptr<double>(),
+      static_cast<int>(p.lr_wd.size(0)), p.grad_scale.template data_ptr<float>(), static_cast<float>(p.clip_coef),
+      fi, a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Rule, typename GT>
+void dispatch_param_code(const char* op, int64_t param_code, const Pass2Args& p, const typename Rule::Args& a) {
+  switch (param_code) {
+    case kCodeNone:
+      launch_pass2<Rule, GT, F32, false>(p, a);
       break;
-    case at::kBFloat16:
-      L<GT, BF16>::run(std::forward<Args>(args)...);
+    case kCodeF32:
+      launch_pass2<Rule, GT, F32, true>(p, a);
       break;
-    case at::kHalf:
-      L<GT, F16>::run(std::forward<Args>(args)...);
+    case kCodeBF16:
+      launch_pass2<Rule, GT, BF16, true>(p, a);
+      break;
+    case kCodeF16:
+      launch_pass2<Rule, GT, F16, true>(p, a);
       break;
     default:
-      TORCH_CHECK(false, op, ": param_out must be float32, bfloat16 or float16, got ", *param_t);
+      TORCH_CHECK(false, op, ": unknown param_out dtype code ", param_code);
   }
 }
 
-template <template <typename, typename> class L, typename... Args>
-void dispatch_grad_param(at::ScalarType grad_t, std::optional<at::ScalarType> param_t, const char* op,
-                         Args&&... args) {
-  switch (grad_t) {
-    case at::kFloat:
-      dispatch_param<L, F32>(param_t, op, std::forward<Args>(args)...);
+// Checks, then launches Rule's pass 2 for the plan's grad / param_out dtype codes.
+template <typename Rule>
+void run_pass2(const char* op, int64_t grad_code, int64_t param_code, const Pass2Args& p,
+               const typename Rule::Args& a) {
+  const at::Device device = check_pass2(op, p);
+  if (p.chunks.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+  switch (grad_code) {
+    case kCodeF32:
+      dispatch_param_code<Rule, F32>(op, param_code, p, a);
       break;
-    case at::kBFloat16:
-      dispatch_param<L, BF16>(param_t, op, std::forward<Args>(args)...);
+    case kCodeBF16:
+      dispatch_param_code<Rule, BF16>(op, param_code, p, a);
       break;
-    case at::kHalf:
-      dispatch_param<L, F16>(param_t, op, std::forward<Args>(args)...);
+    case kCodeF16:
+      dispatch_param_code<Rule, F16>(op, param_code, p, a);
       break;
     default:
-      TORCH_CHECK(false, op, ": grad must be float32, bfloat16 or float16, got ", grad_t);
+      TORCH_CHECK(false, op, ": unknown grad dtype code ", grad_code);
   }
-}
-
-inline void check_state(const at::Tensor& t, const char* name, const at::Device& device, int64_t span_end) {
-  check_cuda_tensor(t, name, device);
-  check_dtype(t, name, at::kFloat);
-  check_flat(t, name, span_end);
-}
-
-// The checks every pass-2 op shares: grad, master, optional param_out, the piece table, grad_scale
-// and the optional found_inf.
-inline void check_common(const char* op, const at::Tensor& grad, const at::Tensor& master,
-                         const std::optional<at::Tensor>& param_out, const at::Tensor& bounds,
-                         const at::Tensor& group, int64_t span_start, int64_t span_end, const at::Tensor& grad_scale,
-                         const std::optional<at::Tensor>& found_inf) {
-  TORCH_CHECK(grad.is_cuda(), op, ": grad must be a CUDA tensor");
-  const at::Device device = grad.device();
-  check_cuda_tensor(grad, "grad", device);
-  TORCH_CHECK(is_grad_dtype(grad.scalar_type()), op, ": grad must be float32, bfloat16 or float16, got ",
-              grad.scalar_type());
-  TORCH_CHECK(0 <= span_start && span_start <= span_end, op, ": bad span [", span_start, ", ", span_end, ")");
-  check_flat(grad, "grad", span_end);
-  check_state(master, "master", device, span_end);
-  if (param_out.has_value()) {
-    check_cuda_tensor(*param_out, "param_out", device);
-    TORCH_CHECK(is_grad_dtype(param_out->scalar_type()), op,
-                ": param_out must be float32, bfloat16 or float16, got ", param_out->scalar_type());
-    check_flat(*param_out, "param_out", span_end);
-  }
-  check_table(bounds, group, "group", at::kInt, device);
-  check_scalar(grad_scale, "grad_scale", device, at::kFloat);
-  if (found_inf.has_value()) check_scalar(*found_inf, "found_inf", device, at::kFloat);
-}
-
-inline std::optional<at::ScalarType> param_dtype(const std::optional<at::Tensor>& param_out) {
-  std::optional<at::ScalarType> pt;
-  if (param_out.has_value()) pt = param_out->scalar_type();
-  return pt;
 }
 
 }  // namespace megatron_opt

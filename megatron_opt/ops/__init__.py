@@ -18,6 +18,7 @@ import torch
 
 from . import cpu, reference
 from .piece_table import PieceTable, full_table
+from .step_plan import DeviceHyperparams, ShardOperands, StepPlan, lr_wd_table
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 
 Backend = Literal["auto", "cuda-ext", "cpu", "reference"]
@@ -101,6 +102,92 @@ def lion_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, p
                                    grad_scale=grad_scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
 
 
+# ---------------------------------------------------------------------------------------- planned
+# One call per pass over every shard of a StepPlan: one launch on the CUDA extension; the torch
+# backends walk the shards through the single-shard ops above (same results, same arguments).
+def _plan_impl(plan: StepPlan, backend: str) -> Optional[ModuleType]:
+    return _impl(plan.shards[0].grad, backend) if plan.shards else None
+
+
+def _host_groups(lr_wd: torch.Tensor) -> tuple[list[float], list[float]]:
+    pairs = lr_wd.tolist()
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _scaled(grad_scale: torch.Tensor, clip_coef: float) -> torch.Tensor:
+    return grad_scale if clip_coef == 1.0 else grad_scale * clip_coef
+
+
+def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True, *,
+                       backend: Backend = "auto") -> None:
+    """stats += pass 1 over every shard of ``plan`` (see ``grad_stats``)."""
+    impl = _plan_impl(plan, backend)
+    if impl is None:
+        return
+    if impl is _cuda_impl:
+        impl.grad_stats_planned(plan, inv_scale, stats, count_zeros)
+        return
+    for s in plan.shards:
+        impl.grad_stats(s.grad, s.table, inv_scale, stats, count_zeros)
+
+
+def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+                       beta1: float, beta2: float, eps: float, clip_coef: float = 1.0,
+                       found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
+    """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2]."""
+    impl = _plan_impl(plan, backend)
+    if impl is None:
+        return
+    if impl is _cuda_impl:
+        impl.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2,
+                                eps=eps, clip_coef=clip_coef, found_inf=found_inf)
+        return
+    plan.check_groups(lr_wd, "adamw_step")
+    lr, wd = _host_groups(lr_wd)
+    scale = _scaled(grad_scale, clip_coef)
+    for s in plan.shards:
+        impl.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=lr, weight_decay=wd,
+                        grad_scale=scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf)
+
+
+def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
+                     nesterov: bool = False, clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None,
+                     backend: Backend = "auto") -> None:
+    """SGD over every shard of ``plan``; shard state is (momentum_buffer,) when momentum != 0, else ()."""
+    impl = _plan_impl(plan, backend)
+    if impl is None:
+        return
+    if impl is _cuda_impl:
+        impl.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=momentum, nesterov=nesterov,
+                              clip_coef=clip_coef, found_inf=found_inf)
+        return
+    plan.check_groups(lr_wd, "sgd_step")
+    lr, wd = _host_groups(lr_wd)
+    scale = _scaled(grad_scale, clip_coef)
+    for s in plan.shards:
+        impl.sgd_step(s.grad, s.master, s.state[0] if s.state else None, s.param_out, s.table, lr=lr,
+                      weight_decay=wd, grad_scale=scale, momentum=momentum, nesterov=nesterov, found_inf=found_inf)
+
+
+def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
+                      clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None,
+                      backend: Backend = "auto") -> None:
+    """Lion over every shard of ``plan``; shard state is (exp_avg,)."""
+    impl = _plan_impl(plan, backend)
+    if impl is None:
+        return
+    if impl is _cuda_impl:
+        impl.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, beta1=beta1, beta2=beta2,
+                               clip_coef=clip_coef, found_inf=found_inf)
+        return
+    plan.check_groups(lr_wd, "lion_step")
+    lr, wd = _host_groups(lr_wd)
+    scale = _scaled(grad_scale, clip_coef)
+    for s in plan.shards:
+        impl.lion_step(s.grad, s.master, s.state[0], s.param_out, s.table, lr=lr, weight_decay=wd,
+                       grad_scale=scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
+
+
 __all__ = [
     "Backend",
     "BACKENDS",
@@ -109,6 +196,14 @@ __all__ = [
     "resolve_backend",
     "backend_for",
     "grad_stats",
+    "StepPlan",
+    "ShardOperands",
+    "DeviceHyperparams",
+    "lr_wd_table",
+    "grad_stats_planned",
+    "adamw_step_planned",
+    "sgd_step_planned",
+    "lion_step_planned",
     "advance_step",
     "adamw_step",
     "sgd_step",

@@ -3,14 +3,16 @@
 Same signatures and semantics as :mod:`megatron_opt.ops.reference`. Importing this module raises
 ImportError when the extension was not built (``megatron_opt.ops`` then falls back to the reference).
 
-Nothing here synchronises with the host: every per-step scalar (inv_scale, grad_scale, step,
-found_inf) stays on the device, and the per-group ``lr``/``weight_decay`` lists travel in the kernel
-arguments (up to 64 groups; more are uploaded, which is not CUDA-graph capturable). Unlike the
-reference, the pass-2 ops (``adamw_step``, ``sgd_step``, ``lion_step``) read ``found_inf`` on the
-device: when it is nonzero the kernel writes nothing.
+The kernels run over a :class:`~megatron_opt.ops.step_plan.StepPlan` (all shards of a launch group,
+one launch per pass); the ``*_planned`` functions take a plan built once, the single-shard functions
+build a one-shard plan per call (argument checks with friendly messages happen here).
 
-Shapes: every flat tensor (grad, main_grad, master, moments, param_out) is 1-D, contiguous, on the
-same CUDA device, with at least ``table.numel`` elements; the table's coordinates index them directly.
+Nothing here synchronises with the host: every per-step scalar (inv_scale, grad_scale, step,
+found_inf) and the per-group (lr, weight decay) table stay on the device. Unlike the reference, the
+pass-2 ops read ``found_inf`` on the device: when it is nonzero the kernel writes nothing.
+
+Shapes: every flat tensor (grad, master, moments, param_out) is 1-D, contiguous, on the same CUDA
+device, with at least ``table.numel`` elements; the table's coordinates index them directly.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch  # must precede the extension import (it loads libc10 / libtorch)
 
 from .. import _C  # noqa: E402  (raises ImportError when the extension was not built)
 from .piece_table import PieceTable
+from .step_plan import DTYPE_CODES, ShardOperands, StepPlan, lr_wd_table
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -99,6 +102,16 @@ def _group_lists(op: str, table: PieceTable, lr: Sequence[float], weight_decay: 
     return lr_l, wd_l
 
 
+def _lr_wd(op: str, table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float],
+           device: torch.device) -> torch.Tensor:
+    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
+    return lr_wd_table(lr_l, wd_l, device)
+
+
+def _param_code(plan: StepPlan) -> int:
+    return -1 if plan.param_dtype is None else DTYPE_CODES[plan.param_dtype]
+
+
 # ------------------------------------------------------------------------------------------------
 # Pass 1
 # ------------------------------------------------------------------------------------------------
@@ -117,11 +130,17 @@ def grad_stats(
         raise TypeError(f"{op}: stats must be a float64 tensor of 3 elements on {device}")
     if stats.numel() != 3 or not stats.is_contiguous():
         raise ValueError(f"{op}: stats must be a contiguous float64 tensor with 3 elements, got shape {tuple(stats.shape)}")
-    span = table.span()
-    if span is None:
+    if table.num_pieces:
+        grad_stats_planned(StepPlan((ShardOperands(table, grad),), update=False), inv_scale, stats, count_zeros)
+
+
+def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True) -> None:
+    """Pass 1 over every shard of ``plan``: one launch plus a one-block reduction."""
+    if not plan.num_chunks:
         return
-    d = table.device_tensors(device)
-    _C.grad_stats(grad, d["bounds"], d["in_norm"], span[0], span[1], inv_scale, stats, bool(count_zeros))
+    d = plan.device_tensors()
+    _C.grad_stats(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], inv_scale, stats, d["sumsq_ws"],
+                  d["counts_ws"], bool(count_zeros))
 
 
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:
@@ -171,15 +190,21 @@ def adamw_step(
         {"grad": grad, "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out},
         allow_same=[("master", "param_out")],
     )
-    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
-    span = table.span()
-    if span is None:
-        return
-    d = table.device_tensors(device)
-    _C.adamw_step(
-        grad, master, exp_avg, exp_avg_sq, param_out, d["bounds"], d["group"], span[0], span[1],
-        lr_l, wd_l, grad_scale, step, float(beta1), float(beta2), float(eps), found_inf,
-    )
+    lr_wd = _lr_wd(op, table, lr, weight_decay, device)
+    if table.num_pieces:
+        plan = StepPlan((ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out),))
+        adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                           found_inf=found_inf)
+
+
+def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+                       beta1: float, beta2: float, eps: float, clip_coef: float = 1.0,
+                       found_inf: Optional[torch.Tensor] = None) -> None:
+    if plan.num_chunks:
+        plan.check_groups(lr_wd, "adamw_step")
+        d = plan.device_tensors()
+        _C.adamw_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan), lr_wd, grad_scale,
+                      float(clip_coef), step, float(beta1), float(beta2), float(eps), found_inf)
 
 
 def sgd_step(
@@ -215,15 +240,23 @@ def sgd_step(
          "param_out": param_out},
         allow_same=[("master", "param_out")],
     )
-    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
-    span = table.span()
-    if span is None:
-        return
-    d = table.device_tensors(device)
-    _C.sgd_step(
-        grad, master, momentum_buffer, param_out, d["bounds"], d["group"], span[0], span[1],
-        lr_l, wd_l, grad_scale, float(momentum), bool(nesterov), found_inf,
-    )
+    lr_wd = _lr_wd(op, table, lr, weight_decay, device)
+    if table.num_pieces:
+        state = (momentum_buffer,) if momentum != 0 else ()
+        plan = StepPlan((ShardOperands(table, grad, master, state, param_out),))
+        sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=momentum, nesterov=nesterov,
+                         found_inf=found_inf)
+
+
+def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
+                     nesterov: bool = False, clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None) -> None:
+    if plan.num_chunks:
+        plan.check_groups(lr_wd, "sgd_step")
+        if (momentum != 0) != (len(plan.shards[0].state) == 1):
+            raise ValueError("sgd_step: a plan for momentum != 0 holds one momentum buffer per shard, else none")
+        d = plan.device_tensors()
+        _C.sgd_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan), lr_wd, grad_scale,
+                    float(clip_coef), float(momentum), bool(nesterov), found_inf)
 
 
 def lion_step(
@@ -255,15 +288,19 @@ def lion_step(
         {"grad": grad, "master": master, "exp_avg": exp_avg, "param_out": param_out},
         allow_same=[("master", "param_out")],
     )
-    lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
-    span = table.span()
-    if span is None:
-        return
-    d = table.device_tensors(device)
-    _C.lion_step(
-        grad, master, exp_avg, param_out, d["bounds"], d["group"], span[0], span[1],
-        lr_l, wd_l, grad_scale, float(beta1), float(beta2), found_inf,
-    )
+    lr_wd = _lr_wd(op, table, lr, weight_decay, device)
+    if table.num_pieces:
+        plan = StepPlan((ShardOperands(table, grad, master, (exp_avg,), param_out),))
+        lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
 
 
-__all__ = ["grad_stats", "advance_step", "adamw_step", "sgd_step", "lion_step"]
+def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
+                      clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None) -> None:
+    if plan.num_chunks:
+        plan.check_groups(lr_wd, "lion_step")
+        d = plan.device_tensors()
+        _C.lion_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan), lr_wd, grad_scale,
+                     float(clip_coef), float(beta1), float(beta2), found_inf)
+
+
+__all__ = ["grad_stats", "grad_stats_planned", "adamw_step_planned", "sgd_step_planned", "lion_step_planned", "advance_step", "adamw_step", "sgd_step", "lion_step"]

@@ -6,6 +6,9 @@ For each ``LocalShard`` (this rank's range of one bucket) it keeps:
   * the update rule's state tensors (AdamW's moments, SGD's momentum, Lion's exp_avg), owned
     elements only;
   * a PieceTable: where each param piece lies, whether it counts in the norm, its param group.
+Shards that share a grad source, pre-scale and dtypes form one launch group with one ``StepPlan``
+(built once), so each pass is one call per group, not one per bucket; the per-group lr and weight
+decay live in a device table (``DeviceHyperparams``) updated in place.
 Every tensor in ``param_groups`` is a leaf view of a master (docs/contract.md rule 6).
 
 The step driver calls the leaf protocol (``accumulate_local_stats``, ``apply_update``,
@@ -39,6 +42,15 @@ class ShardState:
     param_out: Optional[torch.Tensor]  # None when master aliases the fp32 param buffer
     state: dict[str, torch.Tensor]
     main_params: tuple[torch.Tensor, ...]  # per piece: the leaf view of master in param_groups
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    """Shards that pass 1 and pass 2 cover in one call each."""
+
+    plan: ops.StepPlan
+    scale_key: tuple  # (id(source), grad_prescale): selects the inverse grad scale
+    counts_stats: bool  # False on DP ranks > 0 when the grads are not sharded (see _counts_stats)
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,9 @@ class ShardGroup:
         self.step = torch.zeros(1, dtype=torch.int64, device=device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
         self.shards = self._build_shards(_tp_rank(tensor_parallel_group))
-        self._inv_scale: dict[int, torch.Tensor] = {}
+        self.launch_groups = self._build_launch_groups()
+        self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), device)
+        self._inv_scale: dict[tuple, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- construction
     def _managed(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
@@ -152,6 +166,21 @@ class ShardGroup:
                 p.main_param, p.main_param_sharded = None, True
         return shards
 
+    def _build_launch_groups(self) -> list[LaunchGroup]:
+        members: dict[tuple, list[ShardState]] = {}
+        for s in self.shards:
+            key = (id(s.source), s.shard.grad_prescale, s.shard.grad.dtype,
+                   None if s.param_out is None else s.param_out.dtype, self._counts_stats(s.shard))
+            members.setdefault(key, []).append(s)
+        names = list(self.rule.state_dtypes())
+        return [
+            LaunchGroup(ops.StepPlan(tuple(ops.ShardOperands(s.table, s.shard.grad, s.master,
+                                                             tuple(s.state[n] for n in names), s.param_out)
+                                           for s in group)),
+                        scale_key=key[:2], counts_stats=key[4])
+            for key, group in members.items()
+        ]
+
     # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
     def stats_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
         """The data-parallel group the statistics are summed over ([] for one rank; [None] is the
@@ -171,29 +200,28 @@ class ShardGroup:
         return bool(self._shards_in)
 
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
-        """Pass 1 over every owned shard: stats += [non-finite, sum of squares, zeros]."""
+        """Pass 1 over every owned shard, one call per launch group: stats += [non-finite, sum of squares, zeros]."""
         self._inv_scale = {}
         for s in self.shards:
             key = (id(s.source), s.shard.grad_prescale)
             if key not in self._inv_scale:
                 inv = s.source.grad_scale_factor / loss_scale
                 self._inv_scale[key] = inv if s.shard.grad_prescale == 1.0 else inv / s.shard.grad_prescale
-            if self._counts_stats(s.shard):
-                ops.grad_stats(s.shard.grad, s.table, self._inv_scale[key], stats[: ops.NUM_STATS],
-                               count_zeros, backend=self.backend)
+        for lg in self.launch_groups:
+            if lg.counts_stats:
+                ops.grad_stats_planned(lg.plan, self._inv_scale[lg.scale_key], stats[: ops.NUM_STATS], count_zeros,
+                                       backend=self.backend)
 
     def apply_update(self, clip_coef: float) -> None:
         """Pass 2 over every owned shard with the current param_groups' lr and weight decay."""
         ops.advance_step(self.step, backend=self.backend)  # also on ranks that own nothing: one count everywhere
-        if not self.shards:
+        if not self.launch_groups:
             return
-        lr = [float(g["lr"]) for g in self.param_groups]
-        wd = [float(g["weight_decay"]) for g in self.param_groups]
-        for s in self.shards:
-            self.rule.apply(s.shard.grad, s.master, s.state, s.param_out, s.table, lr=lr, weight_decay=wd,
-                            grad_scale=self._inv_scale[(id(s.source), s.shard.grad_prescale)] * clip_coef,
-                            step=self.step,
-                            backend=self.backend)
+        lr_wd = self._hyperparams.update([g["lr"] for g in self.param_groups],
+                                         [g["weight_decay"] for g in self.param_groups])
+        for lg in self.launch_groups:
+            self.rule.apply(lg.plan, lr_wd=lr_wd, grad_scale=self._inv_scale[lg.scale_key], clip_coef=clip_coef,
+                            step=self.step, backend=self.backend)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         for source in self.sources:
@@ -337,4 +365,4 @@ class ShardGroup:
                 s.param_out.copy_(s.master)
 
 
-__all__ = ["ShardGroup", "ShardState", "PieceState", "counts_in_norm"]
+__all__ = ["ShardGroup", "ShardState", "LaunchGroup", "PieceState", "counts_in_norm"]

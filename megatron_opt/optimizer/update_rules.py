@@ -2,19 +2,19 @@
 
 A rule declares its state tensors and their dtypes, allocates them for a shard, and dispatches
 pass 2 to ``megatron_opt.ops`` (reference, CPU or CUDA, by the backend it is given). Adding a rule
-is one class here plus its op in ``ops.reference`` / ``ops.cpu`` / ``ops.cuda``; everything that
+is one class here plus its op in ``ops.reference`` / ``ops.cpu`` / ``ops.cuda`` (run over a StepPlan); everything that
 walks optimizer state (skips, state dicts, checkpoints) reads ``state_dtypes`` and needs no change.
 """
 from __future__ import annotations
 
 import abc
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar
 
 import torch
 
 from .. import ops
-from ..ops.piece_table import PieceTable
+from ..ops.step_plan import StepPlan
 
 
 class UpdateRule(abc.ABC):
@@ -31,11 +31,11 @@ class UpdateRule(abc.ABC):
         return {n: torch.zeros(master.shape, dtype=d, device=master.device) for n, d in self.state_dtypes().items()}
 
     @abc.abstractmethod
-    def apply(self, grad: torch.Tensor, master: torch.Tensor, state: Mapping[str, torch.Tensor],
-              param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
-              weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor,
-              backend: ops.Backend) -> None:
-        """Pass 2 over one shard. ``step`` is the 1-based index of this update (already advanced)."""
+    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, clip_coef: float,
+              step: torch.Tensor, backend: ops.Backend) -> None:
+        """Pass 2 over every shard of ``plan`` (whose shard state is ``state_dtypes()``'s tensors, in
+        that order). ``lr_wd``: [param groups, 2] (lr, weight decay) on the plan's device; the grads
+        are multiplied by ``grad_scale * clip_coef``; ``step`` is the 1-based index of this update."""
 
     def hyperparameters(self) -> dict[str, Any]:
         """The rule's constants, recorded in state dicts for inspection (a load keeps the running
@@ -55,10 +55,9 @@ class AdamW(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
 
-    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
-        ops.adamw_step(grad, master, state["exp_avg"], state["exp_avg_sq"], param_out, table, lr=lr,
-                       weight_decay=weight_decay, grad_scale=grad_scale, step=step, beta1=self.beta1,
-                       beta2=self.beta2, eps=self.eps, backend=backend)
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, step=step,
+                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,9 @@ class SGD(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}
 
-    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
-        ops.sgd_step(grad, master, state.get("momentum_buffer"), param_out, table, lr=lr,
-                     weight_decay=weight_decay, grad_scale=grad_scale, momentum=self.momentum,
-                     nesterov=self.nesterov, backend=backend)
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, momentum=self.momentum,
+                             nesterov=self.nesterov, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -89,9 +87,9 @@ class Lion(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}
 
-    def apply(self, grad, master, state, param_out, table, *, lr, weight_decay, grad_scale, step, backend) -> None:
-        ops.lion_step(grad, master, state["exp_avg"], param_out, table, lr=lr, weight_decay=weight_decay,
-                      grad_scale=grad_scale, beta1=self.beta1, beta2=self.beta2, backend=backend)
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, beta1=self.beta1,
+                              beta2=self.beta2, backend=backend)
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}

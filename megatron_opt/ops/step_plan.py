@@ -1,0 +1,234 @@
+"""The step plan: every shard one pass touches, cut once into fixed-size chunks.
+
+An optimizer step runs pass 1 (grad statistics) and pass 2 (the update) over many buckets. Walking
+them one launch and one Python call per bucket makes a step at large data-parallel sizes host- and
+launch-bound, so a ``StepPlan`` is built once per launch group (shards of one grad dtype and one
+param dtype, typically one buffer) and each pass is then one launch over all of them:
+
+* a pointer table, one row per shard: the raw addresses of grad, master, up to two state arrays and
+  param_out. The tensors are held by the plan and must never be reallocated (the optimizer only
+  ever copies into them in place);
+* a chunk table, one row per chunk of at most ``CHUNK`` elements inside one piece: shard, start, end,
+  and the piece's param group, whether it counts in the norm and the vector phase of its arrays.
+  Chunks never include padding, and their boundaries depend on the tables alone, so pass 1's
+  per-chunk partials (and so the grad norm) are bitwise the same on any GPU and grid size.
+
+Torch backends (``reference``, ``cpu``) run the same plan shard by shard through the single-shard
+ops, so every backend takes the same arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from .piece_table import PieceTable
+
+CHUNK = 32768  # elements per chunk at most: 4 (bf16) to 8 (fp32) unrolled iterations of a 256-thread block
+PTR_COLS = 5  # grad, master, state0, state1, param_out (matches csrc/common.cuh kPtrCols)
+MAX_STATES = 2
+_VECTOR_BYTES = 16
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_FLOAT_DTYPES = tuple(DTYPE_CODES)
+_IN_NORM_BIT = 32
+_PHASE_SHIFT = 40
+
+
+@dataclass(frozen=True)
+class ShardOperands:
+    """One shard's flat tensors for a step: the table's coordinates index them directly."""
+
+    table: PieceTable
+    grad: torch.Tensor
+    master: Optional[torch.Tensor] = None  # None for a stats-only plan
+    state: tuple[torch.Tensor, ...] = ()
+    param_out: Optional[torch.Tensor] = None
+
+
+def _phase(ptr: int, elem_size: int, vec: int) -> int:
+    """Element phase of an address modulo ``vec`` elements, or -1 if not even element-aligned."""
+    return -1 if ptr % elem_size else (ptr // elem_size) % vec
+
+
+def _check_operands(shards: Sequence[ShardOperands], needs_update: bool) -> None:
+    first = shards[0]
+    device, gdt = first.grad.device, first.grad.dtype
+    pdt = None if first.param_out is None else first.param_out.dtype
+    for k, s in enumerate(shards):
+        named = {"grad": s.grad, "master": s.master, "param_out": s.param_out,
+                 **{f"state{i}": t for i, t in enumerate(s.state)}}
+        for name, t in named.items():
+            if t is None:
+                continue
+            where = f"StepPlan shard {k}: {name}"
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != device:
+                raise ValueError(f"{where} is on {t.device}, shard 0's grad on {device}: one plan, one device")
+            if t.dim() != 1 or not t.is_contiguous():
+                raise ValueError(f"{where} must be a contiguous 1-D shard, got shape {tuple(t.shape)}")
+            if t.numel() < s.table.numel:
+                raise ValueError(f"{where} has {t.numel()} elements but the piece table covers {s.table.numel}")
+        if s.grad.dtype != gdt or s.grad.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"StepPlan shard {k}: grad dtype {s.grad.dtype}; a plan needs one grad dtype out of "
+                            f"float32/bfloat16/float16 (shard 0 has {gdt}): build one plan per buffer")
+        if (None if s.param_out is None else s.param_out.dtype) != pdt:
+            raise TypeError(f"StepPlan shard {k}: param_out dtype differs from shard 0's ({pdt}): one plan per buffer")
+        if pdt is not None and pdt not in _FLOAT_DTYPES:
+            raise TypeError(f"StepPlan shard {k}: param_out dtype {pdt} is not float32/bfloat16/float16")
+        if needs_update:
+            if s.master is None or s.master.dtype != torch.float32:
+                raise TypeError(f"StepPlan shard {k}: master must be a float32 tensor")
+            if [t.dtype for t in s.state] != [t.dtype for t in first.state]:
+                raise ValueError(f"StepPlan shard {k}: state dtypes {[t.dtype for t in s.state]} differ from "
+                                 f"shard 0's {[t.dtype for t in first.state]}")
+        _check_no_partial_overlap(k, named)
+
+
+def _check_no_partial_overlap(k: int, named: dict[str, Optional[torch.Tensor]]) -> None:
+    """Outputs must not overlap each other or the grad, except master aliasing param_out exactly
+    (fp32 params: every element is then read and written by the same thread)."""
+    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
+    for i in range(len(items)):
+        for j in range(i + 1, len(items)):
+            (na, a), (nb, b) = items[i], items[j]
+            a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+            b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+            if a0 < b1 and b0 < a1:
+                if {na, nb} == {"master", "param_out"} and (a0, a1, a.dtype) == (b0, b1, b.dtype):
+                    continue
+                raise ValueError(f"StepPlan shard {k}: {na} and {nb} overlap in memory")
+
+
+@dataclass
+class StepPlan:
+    """Shards of one launch group, cut into chunks once. ``update=False`` builds a stats-only plan
+    (grads alone)."""
+
+    shards: tuple[ShardOperands, ...]
+    update: bool = True
+    chunk: int = CHUNK
+    _device_cache: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.shards = tuple(self.shards)
+        if self.chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {self.chunk}")
+        if self.shards:
+            _check_operands(self.shards, self.update)
+        self.max_group = max((g for s in self.shards for g in s.table.group), default=-1)
+        self._chunk_rows = self._build_chunks()
+
+    # ------------------------------------------------------------------ description
+    @property
+    def device(self) -> Optional[torch.device]:
+        return self.shards[0].grad.device if self.shards else None
+
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        return self.shards[0].grad.dtype if self.shards else None
+
+    @property
+    def param_dtype(self) -> Optional[torch.dtype]:
+        return None if not self.shards or self.shards[0].param_out is None else self.shards[0].param_out.dtype
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunk_rows)
+
+    def chunk_rows(self) -> list[tuple[int, int, int, int, bool, int]]:
+        """(shard, start, end, group, in_norm, phase) per chunk, phase -1 for the scalar path."""
+        return list(self._chunk_rows)
+
+    # ------------------------------------------------------------------ construction
+    @property
+    def state_dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(t.dtype for t in self.shards[0].state) if self.shards else ()
+
+    def check_kernel_layout(self, op: str) -> None:
+        """The CUDA kernels take at most two float32 state arrays per shard."""
+        if len(self.state_dtypes) > MAX_STATES or any(d != torch.float32 for d in self.state_dtypes):
+            raise TypeError(f"{op}: the CUDA kernels take at most {MAX_STATES} float32 state tensors per shard, "
+                            f"this plan has {list(self.state_dtypes)}")
+
+    def _arrays(self, s: ShardOperands) -> list[Optional[torch.Tensor]]:
+        state = list(s.state[:MAX_STATES]) + [None] * (MAX_STATES - len(s.state))
+        return [s.grad, s.master if self.update else None, *(state if self.update else [None, None]),
+                s.param_out if self.update else None]
+
+    def _build_chunks(self) -> list[tuple[int, int, int, int, bool, int]]:
+        rows = []
+        for k, s in enumerate(self.shards):
+            # Element i of every array starts a 16-byte grad vector iff (i + phase) % vec == 0; a
+            # shard whose arrays disagree on the phase runs one element per thread.
+            vec = _VECTOR_BYTES // s.grad.element_size()
+            phases = {_phase(x.data_ptr(), x.element_size(), vec) for x in self._arrays(s) if x is not None}
+            phase = phases.pop() if len(phases) == 1 else -1
+            t = s.table
+            for start, end, norm, group in zip(t.starts, t.ends, t.in_norm, t.group):
+                for a in range(start, end, self.chunk):
+                    rows.append((k, a, min(end, a + self.chunk), group, norm, phase))
+        return rows
+
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """Pointer and chunk tables plus pass 1's per-chunk workspace, on the plan's device (built once)."""
+        if "ptrs" not in self._device_cache:
+            self.check_kernel_layout("StepPlan")
+            device = self.device
+            ptrs = [[0 if t is None else t.data_ptr() for t in self._arrays(s)] for s in self.shards]
+            chunks = [[k, a, e, g | (int(bool(n)) << _IN_NORM_BIT) | ((p + 1) << _PHASE_SHIFT)]
+                      for k, a, e, g, n, p in self._chunk_rows]
+            self._device_cache.update(
+                ptrs=torch.tensor(ptrs, dtype=torch.int64).reshape(-1, PTR_COLS).to(device),
+                chunks=torch.tensor(chunks, dtype=torch.int64).reshape(-1, 4).to(device),
+                sumsq_ws=torch.empty(max(1, self.num_chunks), dtype=torch.float64, device=device),
+                counts_ws=torch.empty(2 * max(1, self.num_chunks), dtype=torch.int32, device=device),
+            )
+        return self._device_cache
+
+    def check_groups(self, lr_wd: torch.Tensor, op: str) -> None:
+        if not isinstance(lr_wd, torch.Tensor) or lr_wd.dtype != torch.float64 or lr_wd.dim() != 2 \
+                or lr_wd.shape[1] != 2:
+            raise TypeError(f"{op}: lr_wd must be a float64 tensor of shape [num_groups, 2] (lr, weight decay)")
+        if self.max_group >= lr_wd.shape[0]:
+            raise ValueError(f"{op}: pieces use param group {self.max_group} but lr_wd has {lr_wd.shape[0]} rows")
+        if self.shards and lr_wd.device != self.device:
+            raise ValueError(f"{op}: lr_wd is on {lr_wd.device}, the plan on {self.device}")
+
+
+def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> torch.Tensor:
+    """A [num_groups, 2] float64 (lr, weight decay) table on ``device``, copied without a host sync."""
+    lr_l, wd_l = [float(x) for x in lr], [float(x) for x in weight_decay]
+    if len(lr_l) != len(wd_l):
+        raise ValueError(f"lr has {len(lr_l)} entries but weight_decay has {len(wd_l)}")
+    if not lr_l:
+        raise ValueError("lr must have one entry per param group")
+    host = torch.tensor(list(zip(lr_l, wd_l)), dtype=torch.float64)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+class DeviceHyperparams:
+    """The per-group (lr, weight decay) table the update kernels read, kept on the device and
+    updated in place only when a value changed, so a captured CUDA graph replays the current values."""
+
+    def __init__(self, num_groups: int, device: torch.device) -> None:
+        self.table = torch.zeros(max(1, num_groups), 2, dtype=torch.float64, device=device)
+        self._uploaded: Optional[tuple] = None
+
+    def update(self, lr: Sequence[float], weight_decay: Sequence[float]) -> torch.Tensor:
+        values = tuple(zip((float(x) for x in lr), (float(x) for x in weight_decay)))
+        if len(values) != self.table.shape[0]:
+            raise ValueError(f"{len(values)} param groups, the table was built for {self.table.shape[0]}")
+        if values != self._uploaded:
+            host = torch.tensor(values, dtype=torch.float64)
+            if self.table.is_cuda:
+                host = host.pin_memory()  # the caching host allocator keeps it alive until the copy is done
+            self.table.copy_(host, non_blocking=self.table.is_cuda)
+            self._uploaded = values
+        return self.table
+
+
+__all__ = ["CHUNK", "DTYPE_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "DeviceHyperparams"]
