@@ -140,14 +140,16 @@ def bench_config(cfg: Config, n: int, num_tensors: int, warmup: int, iters: int,
     grad_scale = inv_scale.clone()  # inv_scale * clip_coef, a device scalar
     stats = torch.zeros(3, dtype=torch.float64, device=dev)
     step = torch.zeros(1, dtype=torch.int64, device=dev)
-    lr, wd = [LR, LR], [WD, 0.0]
+    # Built once, as the optimizer builds them: one plan, one device (lr, wd) table.
+    plan = ops.StepPlan((ops.ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out),))
+    lr_wd = ops.DeviceHyperparams(2, dev).update([LR, LR], [WD, 0.0])
 
     def pass1():
-        ops.grad_stats(grad, table, inv_scale, stats)
+        ops.grad_stats_planned(plan, inv_scale, stats, count_zeros=False)  # Megatron-LM default
 
     def pass2():
-        ops.adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr, weight_decay=wd,
-                       grad_scale=grad_scale, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
+        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=BETA1, beta2=BETA2,
+                               eps=EPS)
 
     def our_step():
         stats.zero_()
