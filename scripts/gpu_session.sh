@@ -23,7 +23,7 @@ if has cuda; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda --maxfail 60 --timeout 120 tests 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
 fi
 if has step; then
-  timeout 240 python3 scripts/bench_optimizer_step.py 2>&1 | tee "$OUT/bench_step.log" | tail -60
+  timeout 240 python3 scripts/bench_optimizer_step.py --check --json "$OUT/step.json" --plot "$OUT/step.png" 2>&1 | tee "$OUT/bench_step.log" | tail -30
 fi
 if has bench; then
   timeout 200 python3 scripts/bench_kernels.py --log2-sizes 24,26,28 --iters 20 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
