@@ -2,9 +2,10 @@
 
 Semantics follow Megatron-LM's ``_compute_per_buffer_param_layout`` / ``_build_model_gbuf_range``
 (reference notes, section 2.1): params in reverse registration order, starts padded to 64 elements,
-a bucket closes once it reaches ``bucket_size``, bucket ends padded to lcm(dp, 128) (and 2**16 with
-``pad_for_high_nccl_busbw``), rank r owns the r-th equal contiguous shard of every bucket, and shards
-ignore param boundaries.
+a bucket closes once it reaches ``bucket_size``, rank r owns the r-th equal contiguous shard of every
+bucket, and shards ignore param boundaries. One deliberate difference: bucket ends are padded to
+lcm(64 * dp, 128) rather than lcm(dp, 128) (and 2**16 with ``pad_for_high_nccl_busbw``), so every shard
+start is a multiple of 64 elements at every DP (tests/test_layout_alignment.py checks real shapes).
 """
 from __future__ import annotations
 
@@ -156,6 +157,8 @@ def test_buckets_contiguous_ordered_and_padded(inputs):
         assert size > 0
         assert size % shard_count == 0
         assert size % BUCKET_ALIGN == 0
+        assert (size // shard_count) % 64 == 0  # shard size, hence every shard start, is 64-aligned
+        assert bucket.range.start % 64 == 0
         if busbw:
             assert size % 2**16 == 0
         if k + 1 < len(layout.buckets):
@@ -271,6 +274,17 @@ def test_no_bucket_size_no_own_gives_one_bucket(numels, shard_count):
             256,
             {0: [(1, (0, 7), (0, 7))], 1: [(0, (64, 128), (0, 64))], 2: [(0, (128, 176), (64, 112))], 3: []},
         ),
+        # lcm(64 * 8, 128) = 512: 176 rounds up to 512, shards of 64 (lcm(8, 128) gave 256 and shards of 32).
+        (
+            8,
+            512,
+            {
+                0: [(1, (0, 7), (0, 7))],
+                1: [(0, (64, 128), (0, 64))],
+                2: [(0, (128, 176), (64, 112))],
+                **{r: [] for r in range(3, 8)},
+            },
+        ),
     ],
 )
 def test_straddling_param_split_across_ranks(shard_count, bucket_numel, expected):
@@ -313,10 +327,16 @@ def test_pad_for_high_nccl_busbw():
     layout = build_buffer_layout([1000], 3, pad_for_high_nccl_busbw=True)
     assert layout.buckets[0].range == Range(0, 3 * 2**16)
     assert bucket_alignment(3, True) == 3 * 2**16
-    assert bucket_alignment(3) == 384
-    assert bucket_alignment(8) == 128
-    assert bucket_alignment(6) == 384
-    assert bucket_alignment(1) == 128
+    # lcm(64 * dp, 128): 64 * dp when dp is even, 128 * dp when it is odd
+    assert bucket_alignment(3) == 384  # lcm(192, 128)
+    assert bucket_alignment(8) == 512  # lcm(512, 128); was lcm(8, 128) = 128 (shards of 16)
+    assert bucket_alignment(6) == 384  # lcm(384, 128)
+    assert bucket_alignment(1) == 128  # lcm(64, 128)
+    assert bucket_alignment(2) == 128  # lcm(128, 128)
+    assert bucket_alignment(32) == 2048  # was 128: shards of 4 elements, half a bf16 vector
+    assert bucket_alignment(256) == 16384  # was 256: shards of 1 element
+    assert bucket_alignment(256, True) == 2**16  # 16384 divides 2**16: shards of 256
+    assert bucket_alignment(96, True) == 3 * 2**16  # lcm(6144, 128, 2**16): shards of 2048
 
 
 def test_empty_and_invalid():

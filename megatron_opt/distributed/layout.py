@@ -3,9 +3,18 @@
 A buffer holds the params of one (param dtype, grad dtype) pair. Params are laid out in reverse
 registration order (the order backward produces their grads), each start aligned to
 ``param_align`` elements. Buckets are closed once they reach ``bucket_size`` elements, and every
-bucket end is padded so that the bucket splits into ``shard_count`` equal contiguous shards (gloo's
-reduce-scatter needs equal chunks; 128-element granularity keeps shard starts 16-byte aligned).
-Shards ignore param boundaries: a param may straddle ranks.
+bucket end is padded to a multiple of lcm(64 * shard_count, 128) (see ``bucket_alignment``), so the
+bucket splits into ``shard_count`` equal contiguous shards (gloo's reduce-scatter needs equal
+chunks) and every shard size, hence every shard start, is a multiple of 64 elements for every
+shard count. Shards ignore param boundaries: a param may straddle ranks.
+
+Why 64: the CUDA kernels take their 16-byte vector path only when every array of a launch has the
+same element phase. A 16-byte vector is 4 fp32 or 8 16-bit elements; master weights and moments are
+fresh allocations (phase 0), while grad and param shards are views at ``shard.start``. A start that is
+a multiple of 64 elements is 128-byte aligned for 16-bit and 256-byte aligned for fp32, so phase 0 for
+either. Padding buckets to lcm(shard_count, 128) alone is not enough: a shard start is then only a
+multiple of 128 / gcd(DP, 128) elements, which is less than 8 (one 16-bit vector) whenever 32 divides
+DP (4 at DP=32, 2 at DP=64, 1 at DP=128 or 256).
 """
 from __future__ import annotations
 
@@ -14,7 +23,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 PARAM_ALIGN = 64  # elements; keeps every param start 128-byte aligned for bf16, 256 for fp32
-BUCKET_ALIGN = 128
+SHARD_ALIGN = 64  # elements; every shard size and start is a multiple (same reason as PARAM_ALIGN)
+BUCKET_ALIGN = 128  # elements; every padded bucket size is a multiple
 
 
 @dataclass(frozen=True)
@@ -93,8 +103,16 @@ class BufferLayout:
 
 
 def bucket_alignment(shard_count: int, pad_for_high_nccl_busbw: bool = False) -> int:
-    """Every bucket's padded size is a multiple of this, so it splits into equal shards."""
-    base = math.lcm(shard_count, BUCKET_ALIGN)
+    """Every bucket's padded size is a multiple of this: lcm(64 * shard_count, 128), and 2**16 with
+    ``pad_for_high_nccl_busbw``.
+
+    The bucket then splits into ``shard_count`` equal shards whose size is a multiple of
+    ``SHARD_ALIGN`` (64) elements. Bucket starts are the previous bucket's padded end, so they and
+    every shard start (bucket start + rank * shard size) are multiples of 64 elements too, for every
+    shard count. The waste is less than one alignment unit per bucket (64 * shard_count elements when
+    shard_count is even, 128 * shard_count when it is odd).
+    """
+    base = math.lcm(SHARD_ALIGN * shard_count, BUCKET_ALIGN)
     return math.lcm(base, 2**16) if pad_for_high_nccl_busbw else base
 
 
