@@ -1,6 +1,7 @@
 """The step's fused operations against a float64 oracle.
 
-CPU part (always runs): megatron_opt.ops.reference vs the oracle below.
+CPU part (always runs): megatron_opt.ops.reference vs the oracle below; garbage in the gaps
+(reference and cpu backends: pass 2 never writes a gap element, pass 1 never counts one).
 CUDA part (``@pytest.mark.cuda``; skipped without a GPU or without the compiled extension): the
 kernels of megatron_opt.ops.cuda vs the same oracle and vs the reference run on the same CUDA
 tensors, plus determinism, CUDA-graph capture/replay, misaligned views and large shards.
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
+from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 
@@ -123,6 +125,43 @@ def make_state(table: PieceTable, seed: int, device="cpu", gap_value: float = 0.
     for t in (master, m, v):
         out.append(torch.where(mask, t, torch.full_like(t, gap_value)).to(device))
     return out
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns (an integer view): compares NaN payloads and -0.0 exactly."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def with_gap_garbage(t: torch.Tensor, table: PieceTable, seed: int, kind: str = "bits") -> torch.Tensor:
+    """A copy of ``t`` whose elements outside the pieces hold garbage. kind="bits": random bit
+    patterns (NaNs with payloads, infs, huge, tiny and negative values) after a planted inf, -inf,
+    NaN, -0.0, +0.0, the dtype's max and a subnormal; kind="zeros": alternating -0.0 and +0.0."""
+    gap = ~piece_mask(table, t.device)
+    k = int(gap.sum())
+    if kind == "zeros":
+        garbage = torch.zeros(k, dtype=t.dtype)
+        garbage[::2] = -0.0
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        half = 1 << (8 * t.element_size() - 1)
+        garbage = torch.randint(-half, half, (k,), generator=gen, dtype=torch.int64)
+        garbage = garbage.to(_INT_OF_SIZE[t.element_size()]).view(t.dtype)
+        fi = torch.finfo(t.dtype)
+        planted = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 0.0, fi.max, fi.smallest_normal / 4],
+                               dtype=t.dtype)[:k]
+        garbage[: planted.numel()] = planted
+    out = t.clone()
+    out[gap] = garbage.to(t.device)
+    return out
+
+
+def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> None:
+    for b, a, name in zip(before, after, names):
+        if b is not None:
+            assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
 
 
 # =================================================================================================
@@ -442,6 +481,129 @@ def test_cpu_tensors_use_the_cpu_implementation():
 
 
 # =================================================================================================
+# CPU: garbage in the gaps (reference and cpu backends). Pass 2 writes piece elements only: every
+# gap element of master, state and param_out stays bitwise as it was, whatever it held, and the
+# pieces come out bitwise as with zero gaps. Pass 1 counts and sums piece elements only.
+# =================================================================================================
+IMPLS = {"reference": ref, "cpu": cpu_impl}
+
+
+def gap_table(name: str) -> PieceTable:
+    """gapped_table's pieces with other group patterns: "alternating" (gapped_table's own: runs of
+    one piece), "pairs" (runs of two pieces with a gap inside), "one-run" (one group: a single run
+    over the whole span, every gap inside it), "one-run-large" (the same, 16x longer gaps)."""
+    t = gapped_table(65537 if name == "one-run-large" else 4099)
+    k = t.num_pieces
+    group = {
+        "alternating": t.group,
+        "pairs": tuple((i // 2) % 3 for i in range(k)),
+        "one-run": (0,) * k,
+        "one-run-large": (0,) * k,
+    }[name]
+    return PieceTable(t.starts, t.ends, t.in_norm, group, t.numel)
+
+
+GAP_TABLES = ["alternating", "pairs", "one-run", "one-run-large"]
+PASS2_RULES = ["adamw", "sgd", "sgd-momentum", "sgd-nesterov"]
+
+
+def _pass2(impl, rule: str, grad, state, param_out, table, step: int) -> None:
+    master, a, b = state
+    if rule == "adamw":
+        impl.adamw_step(grad, master, a, b, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([0.5]),
+                        step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS)
+    else:
+        momentum = 0.0 if rule == "sgd" else 0.9
+        impl.sgd_step(grad, master, a if momentum else None, param_out, table, lr=LR, weight_decay=WD,
+                      grad_scale=torch.tensor([0.5]), momentum=momentum, nesterov=rule == "sgd-nesterov")
+
+
+def check_pass2_gap_garbage(impl, rule, table, gdtype, pdtype, seed, steps=2) -> None:
+    """Two steps on zero-gap tensors and on the same tensors with garbage in every gap (grads
+    included: NaN/inf there must not reach a piece)."""
+    n = table.numel
+    gap = ~piece_mask(table)
+    clean = make_state(table, seed=seed)
+    clean_po = None if pdtype is None else torch.zeros(n, dtype=pdtype)
+    dirty = [with_gap_garbage(t, table, seed=seed + i) for i, t in enumerate(clean)]
+    dirty_po = None if pdtype is None else with_gap_garbage(clean_po, table, seed=seed + 3)
+    names = ["master", "state 1", "state 2", "param_out"]
+    for step in range(1, steps + 1):
+        grad = make_grad(table, gdtype, seed=seed + 10 * step, finite_specials=True)
+        dirty_grad = with_gap_garbage(grad, table, seed=seed + 10 * step + 1)
+        grad_before = dirty_grad.clone()
+        before = snapshot(*dirty, dirty_po)
+        _pass2(impl, rule, grad, clean, clean_po, table, step)
+        _pass2(impl, rule, dirty_grad, dirty, dirty_po, table, step)
+        assert_gaps_unchanged(before, [*dirty, dirty_po], gap, names, f"step {step}")
+        assert torch.equal(as_bits(dirty_grad), as_bits(grad_before)), "grad written"
+        for c, d, name in zip([*clean, clean_po], [*dirty, dirty_po], names):
+            if c is not None:
+                assert torch.equal(as_bits(d)[~gap], as_bits(c)[~gap]), (
+                    f"step {step}: {name} pieces differ from the zero-gap run"
+                )
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("rule", PASS2_RULES)
+@pytest.mark.parametrize("tname", GAP_TABLES)
+@pytest.mark.parametrize("gdtype,pdtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float32)])
+def test_pass2_gap_garbage_untouched(backend, rule, tname, gdtype, pdtype):
+    check_pass2_gap_garbage(IMPLS[backend], rule, gap_table(tname), gdtype, pdtype, seed=7)
+
+
+def test_pass2_gap_garbage_param_out_aliasing_fp32_master():
+    """param_out may be the fp32 master itself: its gaps still come back unchanged."""
+    table = gap_table("one-run")
+    gap = ~piece_mask(table)
+    for impl in IMPLS.values():
+        master, m, v = (with_gap_garbage(t, table, seed=i) for i, t in enumerate(make_state(table, seed=3)))
+        clean = make_state(table, seed=3)
+        before = snapshot(master, m, v)
+        grad = with_gap_garbage(make_grad(table, torch.bfloat16, seed=4), table, seed=5)
+        _pass2(impl, "adamw", grad, [master, m, v], master, table, 1)
+        _pass2(impl, "adamw", make_grad(table, torch.bfloat16, seed=4), clean, None, table, 1)
+        assert_gaps_unchanged(before, [master, m, v], gap, ["master", "exp_avg", "exp_avg_sq"], impl.__name__)
+        assert torch.equal(as_bits(master)[~gap], as_bits(clean[0])[~gap])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("tname", GAP_TABLES)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("specials", [False, True])
+@pytest.mark.parametrize("kind", ["bits", "zeros"])
+def test_grad_stats_ignore_gap_garbage(backend, tname, dtype, specials, kind):
+    """Garbage (or signed zeros) in the grad's gaps: the same stats, bitwise, as with +0 gaps."""
+    impl = IMPLS[backend]
+    table = gap_table(tname)
+    grad = make_grad(table, dtype, seed=11, specials=specials)
+    dirty = with_gap_garbage(grad, table, seed=12, kind=kind)
+    before = dirty.clone()
+    for count_zeros in (True, False):
+        s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        impl.grad_stats(grad, table, torch.tensor([0.25]), s_clean, count_zeros)
+        impl.grad_stats(dirty, table, torch.tensor([0.25]), s_dirty, count_zeros)
+        assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
+        assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), backend)
+    assert torch.equal(as_bits(dirty), as_bits(before)), "grad written"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(table=random_tables(), dtype=st.sampled_from(GRAD_DTYPES), seed=st.integers(0, 2**16),
+       backend=st.sampled_from(["reference", "cpu"]), rule=st.sampled_from(PASS2_RULES))
+def test_random_tables_gap_garbage(table, dtype, seed, backend, rule):
+    impl = IMPLS[backend]
+    grad = make_grad(table, dtype, seed=seed, finite_specials=True)
+    dirty = with_gap_garbage(grad, table, seed=seed + 1)
+    s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    impl.grad_stats(grad, table, torch.tensor([0.5]), s_clean)
+    impl.grad_stats(dirty, table, torch.tensor([0.5]), s_dirty)
+    assert torch.equal(as_bits(s_dirty), as_bits(s_clean))
+    check_pass2_gap_garbage(impl, rule, table, dtype, torch.bfloat16, seed=seed, steps=1)
+
+
+# =================================================================================================
 # CUDA: kernels vs oracle and vs reference
 # =================================================================================================
 def _cuda_impl():
@@ -560,19 +722,118 @@ def test_cuda_adamw(n, layout, gdtype, pdtype):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("tname", GAP_TABLES)
 @pytest.mark.parametrize("gdtype", GRAD_DTYPES)
-def test_cuda_adamw_gaps_untouched(gdtype):
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float32])
+def test_cuda_adamw_gaps_untouched(tname, gdtype, pdtype):
+    """Garbage in every gap (random bit patterns; NaN/inf in the grad's gaps): the kernel and the
+    reference leave every gap element of master, moments and param_out bitwise unchanged; on the
+    pieces the kernel matches its own zero-gap run bitwise, the oracle and the reference."""
     impl = _cuda_impl()
-    table = gapped_table(65537)
+    table = gap_table(tname)
+    piece = piece_mask(table, DEV)
+    gap = ~piece
     grad = make_grad(table, gdtype, seed=5, device=DEV)
-    master, m, v = make_state(table, seed=5, device=DEV, gap_value=7.0)
-    param_out = torch.full((table.numel,), 7.0, dtype=torch.bfloat16, device=DEV)
-    W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 1.0, 1)
-    _run_adamw(impl, grad, master, m, v, param_out, table, 1.0, 1)
-    gap = ~piece_mask(table, DEV)
-    for t, name in [(master, "master"), (m, "exp_avg"), (v, "exp_avg_sq"), (param_out, "param_out")]:
-        assert torch.all(t[gap] == 7.0), f"{name} written in a padding gap"
-    assert_fp32_close(master, W, "master")
+    clean = make_state(table, seed=5, device=DEV)
+    clean_po = torch.zeros(table.numel, dtype=pdtype, device=DEV)
+    W, M, V = oracle_adamw(grad, *clean, table, LR, WD, 1.0, 1)
+    dirty_grad = with_gap_garbage(grad, table, seed=50)
+    dirty = [with_gap_garbage(t, table, seed=51 + i) for i, t in enumerate(clean)]
+    dirty_po = with_gap_garbage(clean_po, table, seed=54)
+    r = snapshot(*dirty, dirty_po)  # the reference's copies
+    before = snapshot(dirty_grad, *dirty, dirty_po)
+    _run_adamw(impl, grad, *clean, clean_po, table, 1.0, 1)
+    _run_adamw(impl, dirty_grad, *dirty, dirty_po, table, 1.0, 1)
+    _run_adamw(ref, dirty_grad, *r, table, 1.0, 1)
+    names = ["master", "exp_avg", "exp_avg_sq", "param_out"]
+    assert_gaps_unchanged(before[1:], [*dirty, dirty_po], gap, names, "kernel")
+    assert_gaps_unchanged(before[1:], r, gap, names, "reference")
+    assert torch.equal(as_bits(dirty_grad), as_bits(before[0])), "grad written"
+    for c, d, name in zip([*clean, clean_po], [*dirty, dirty_po], names):
+        assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), f"kernel: {name} pieces differ from the zero-gap run"
+    master, m, v = dirty
+    assert_fp32_close(master[piece], W[piece], "master")
+    assert_fp32_close(m[piece], M[piece], "exp_avg")
+    assert_fp32_close(v[piece], V[piece], "exp_avg_sq")
+    assert_param_out(dirty_po[piece], master[piece], W[piece])
+    for got, want, name in zip(dirty, r[:3], names):
+        got, want = got[piece], want[piece]
+        _assert_within(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max()), what=f"{name} vs reference")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("tname", GAP_TABLES)
+@pytest.mark.parametrize("gdtype", GRAD_DTYPES)
+@pytest.mark.parametrize("rule", ["sgd", "sgd-momentum", "sgd-nesterov"])
+@pytest.mark.parametrize("pdtype", [None, torch.bfloat16])
+def test_cuda_sgd_gaps_untouched(tname, gdtype, rule, pdtype):
+    """As test_cuda_adamw_gaps_untouched, for SGD with and without (Nesterov) momentum."""
+    impl = _cuda_impl()
+    table = gap_table(tname)
+    piece = piece_mask(table, DEV)
+    gap = ~piece
+    momentum, nesterov = (0.0 if rule == "sgd" else 0.9), rule == "sgd-nesterov"
+    grad = make_grad(table, gdtype, seed=6, finite_specials=True, device=DEV)
+    master, buf, _ = make_state(table, seed=6, device=DEV)
+    clean = [master, buf if momentum else None]
+    clean_po = None if pdtype is None else torch.zeros(table.numel, dtype=pdtype, device=DEV)
+    W, B = oracle_sgd(grad, clean[0], clean[1], table, LR, WD, 2.0, momentum, nesterov)
+    dirty_grad = with_gap_garbage(grad, table, seed=60)
+    dirty = [None if t is None else with_gap_garbage(t, table, seed=61 + i) for i, t in enumerate(clean)]
+    dirty_po = None if pdtype is None else with_gap_garbage(clean_po, table, seed=63)
+    r = snapshot(*dirty, dirty_po)  # the reference's copies
+    before = snapshot(dirty_grad, *dirty, dirty_po)
+
+    def run(impl, g, w, b, po):
+        impl.sgd_step(g, w, b, po, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0), momentum=momentum,
+                      nesterov=nesterov)
+
+    run(impl, grad, *clean, clean_po)
+    run(impl, dirty_grad, *dirty, dirty_po)
+    run(ref, dirty_grad, *r)
+    names = ["master", "momentum_buffer", "param_out"]
+    assert_gaps_unchanged(before[1:], [*dirty, dirty_po], gap, names, "kernel")
+    assert_gaps_unchanged(before[1:], r, gap, names, "reference")
+    assert torch.equal(as_bits(dirty_grad), as_bits(before[0])), "grad written"
+    for c, d, name in zip([*clean, clean_po], [*dirty, dirty_po], names):
+        if c is not None:
+            assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), (
+                f"kernel: {name} pieces differ from the zero-gap run"
+            )
+    assert_fp32_close(dirty[0][piece], W[piece], "master")
+    if momentum:
+        assert_fp32_close(dirty[1][piece], B[piece], "momentum_buffer")
+    if pdtype is not None:
+        assert_param_out(dirty_po[piece], dirty[0][piece], W[piece])
+    for got, want, name in zip(dirty, r[:2], names):
+        if got is not None:
+            got, want = got[piece], want[piece]
+            _assert_within(got, want, rtol=1e-6, atol=1e-7 * float(want.abs().max()), what=f"{name} vs reference")
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("tname", GAP_TABLES)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("specials", [False, True])
+def test_cuda_grad_stats_ignore_gap_garbage(tname, dtype, specials):
+    """Garbage in the grad's gaps: the kernel's stats are bitwise those of the zero-gap grad, the
+    oracle's over the pieces, and the reference's counts."""
+    impl = _cuda_impl()
+    table = gap_table(tname)
+    grad = make_grad(table, dtype, seed=11, specials=specials, device=DEV)
+    dirty = with_gap_garbage(grad, table, seed=12)
+    before = dirty.clone()
+    for count_zeros in (True, False):
+        s_clean, s_dirty, s_ref = (torch.zeros(3, dtype=torch.float64, device=DEV) for _ in range(3))
+        impl.grad_stats(grad, table, _scalar(0.25), s_clean, count_zeros)
+        impl.grad_stats(dirty, table, _scalar(0.25), s_dirty, count_zeros)
+        ref.grad_stats(dirty, table, _scalar(0.25), s_ref, count_zeros)
+        assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
+        assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), "kernel")
+        assert torch.equal(s_dirty[0], s_ref[0]) and torch.equal(s_dirty[2], s_ref[2])
+    assert torch.equal(as_bits(dirty), as_bits(before)), "grad written"
 
 
 @cuda

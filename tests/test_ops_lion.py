@@ -2,11 +2,11 @@
 against the reference and the closed form.
 
 CPU part (always runs): ops.reference.lion_step vs the oracle below over several steps (pieces, gaps,
-two param groups, a param straddling two ranks' shards), the found_inf skip, and the 'cpu' and
-'reference' backends of ops.lion_step agreeing bitwise.
+two param groups, a param straddling two ranks' shards), the found_inf skip, the 'cpu' and
+'reference' backends of ops.lion_step agreeing bitwise, and garbage in the gaps left bitwise unchanged.
 CUDA part (``@pytest.mark.cuda``; skipped without a GPU or without the compiled extension): the
 kernel of megatron_opt.ops.cuda vs the oracle and vs the reference run on the same CUDA tensors, for
-fp32/bf16/fp16 grads and param_out dtypes, padding gaps untouched, the found_inf skip, misaligned
+fp32/bf16/fp16 grads and param_out dtypes, garbage in the padding gaps left bitwise untouched, the found_inf skip, misaligned
 views and more param groups than travel in the kernel arguments. The wrapper tests also run on CPU
 whenever the extension is built (its device check is bypassed so the call reaches megatron_opt._C).
 
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
+from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 
@@ -199,6 +200,39 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(bits(a), bits(b)), f"{what} differs bitwise"
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns, element by element (an integer view of the same shape)."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def with_gap_garbage(t: torch.Tensor, table: PieceTable, seed: int) -> torch.Tensor:
+    """A copy of ``t`` whose elements outside the pieces hold random bit patterns (NaNs with
+    payloads, infs, huge, tiny and negative values) after a planted inf, -inf, NaN, -0.0, +0.0,
+    the dtype's max and a subnormal."""
+    gap = ~piece_mask(table, t.device)
+    k = int(gap.sum())
+    gen = torch.Generator().manual_seed(seed)
+    half = 1 << (8 * t.element_size() - 1)
+    garbage = torch.randint(-half, half, (k,), generator=gen, dtype=torch.int64)
+    garbage = garbage.to(_INT_OF_SIZE[t.element_size()]).view(t.dtype)
+    fi = torch.finfo(t.dtype)
+    planted = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 0.0, fi.max, fi.smallest_normal / 4],
+                           dtype=t.dtype)[:k]
+    garbage[: planted.numel()] = planted
+    out = t.clone()
+    out[gap] = garbage.to(t.device)
+    return out
+
+
+def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> None:
+    for b, a, name in zip(before, after, names):
+        if b is not None:
+            assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
+
+
 # =================================================================================================
 # CPU: reference vs the float64 closed form
 # =================================================================================================
@@ -341,6 +375,46 @@ def test_lion_cpu_and_reference_backends_agree_bitwise(gdtype, pdtype, specials,
                 assert_bitwise_equal(a, b, f"{what} (cpu vs {name})")
 
 
+def _gap_table(name: str) -> PieceTable:
+    """gapped_table (runs of two pieces with a gap inside) or, "one-run", its pieces in one group
+    (a single run over the whole span), 4099 elements or, "-large", 65537 (16x longer gaps)."""
+    t = gapped_table(65537 if name.endswith("-large") else 4099)
+    group = (0,) * t.num_pieces if name.startswith("one-run") else t.group
+    return PieceTable(t.starts, t.ends, t.in_norm, group, t.numel)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("tname", ["pairs", "one-run", "one-run-large"])
+@pytest.mark.parametrize("gdtype,pdtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
+                                           (torch.float16, torch.float32)])
+@pytest.mark.parametrize("betas", BETAS)
+def test_lion_gap_garbage_untouched(backend, tname, gdtype, pdtype, betas):
+    """Pass 2 writes piece elements only: with garbage in every gap (NaN/inf grads included) each
+    gap element of master, exp_avg and param_out stays bitwise as it was, over several steps, and
+    the pieces come out bitwise as with zero gaps."""
+    impl = {"reference": ref, "cpu": cpu_impl}[backend]
+    table = _gap_table(tname)
+    gap = ~piece_mask(table)
+    lr, wd = (LR[:1], WD[:1]) if tname.startswith("one-run") else (LR, WD)
+    clean = make_state(table, seed=8)
+    clean_po = None if pdtype is None else torch.zeros(table.numel, dtype=pdtype)
+    dirty = [with_gap_garbage(t, table, seed=80 + i) for i, t in enumerate(clean)]
+    dirty_po = None if pdtype is None else with_gap_garbage(clean_po, table, seed=82)
+    names = ("master", "exp_avg", "param_out")
+    for t in range(3):
+        grad = make_grad(table, gdtype, seed=90 + t, specials=t == 1)
+        dirty_grad = with_gap_garbage(grad, table, seed=95 + t)
+        grad_before, before = dirty_grad.clone(), [x.clone() if x is not None else None for x in (*dirty, dirty_po)]
+        for g, (master, m), po in ((grad, clean, clean_po), (dirty_grad, dirty, dirty_po)):
+            impl.lion_step(g, master, m, po, table, lr=lr, weight_decay=wd, grad_scale=_scalar(0.5),
+                           beta1=betas[0], beta2=betas[1])
+        assert_gaps_unchanged(before, (*dirty, dirty_po), gap, names, f"step {t}")
+        assert_bitwise_equal(dirty_grad, grad_before, "grad")
+        for c, d, name in zip((*clean, clean_po), (*dirty, dirty_po), names):
+            if c is not None:
+                assert torch.equal(as_bits(d)[~gap], as_bits(c)[~gap]), f"step {t}: {name} pieces differ"
+
+
 def test_lion_empty_table_is_a_no_op():
     table = PieceTable((), (), (), (), 8)
     master, m = torch.randn(8), torch.randn(8)
@@ -431,22 +505,46 @@ def test_cuda_lion_specials(gdtype):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("tname", ["pairs", "one-run", "one-run-large"])
 @pytest.mark.parametrize("gdtype", GRAD_DTYPES)
 @pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_cuda_lion_gaps_untouched(gdtype, pdtype):
+def test_cuda_lion_gaps_untouched(tname, gdtype, pdtype):
+    """Garbage in every gap (random bit patterns; NaN/inf in the grad's gaps): the kernel and the
+    reference leave every gap element of master, exp_avg and param_out bitwise unchanged; on the
+    pieces the kernel matches its own zero-gap run bitwise, the oracle and the reference."""
     impl = _cuda_impl()
-    table = gapped_table(65537)
+    table = _gap_table(tname)
+    lr, wd = (LR[:1], WD[:1]) if tname.startswith("one-run") else (LR, WD)
+    piece_cpu = piece_mask(table)
+    piece = piece_cpu.to(DEV)
+    gap = ~piece
     grad = make_grad(table, gdtype, seed=5, device=DEV)
-    master, m = make_state(table, seed=5, device=DEV, gap_value=7.0)
-    param_out = torch.full((table.numel,), 7.0, dtype=pdtype, device=DEV)
-    W, M, tie = oracle_lion(grad, master, m, table, LR, WD, 1.0)
-    _run(impl, grad, master, m, param_out, table, 1.0)
-    gap = ~piece_mask(table, DEV)
-    for t, name in [(master, "master"), (m, "exp_avg"), (param_out, "param_out")]:
-        assert torch.all(t[gap] == 7.0), f"{name} written in a padding gap"
-    assert_fp32_close(master, W, "master", skip=tie)
-    assert_fp32_close(m, M, "exp_avg")
-    assert_param_out(param_out, master, W, ~gap, skip=tie)
+    clean = make_state(table, seed=5, device=DEV)
+    clean_po = torch.zeros(table.numel, dtype=pdtype, device=DEV)
+    W, M, tie = oracle_lion(grad, *clean, table, lr, wd, 1.0)
+    dirty_grad = with_gap_garbage(grad, table, seed=50)
+    dirty = [with_gap_garbage(t, table, seed=51 + i) for i, t in enumerate(clean)]
+    dirty_po = with_gap_garbage(clean_po, table, seed=53)
+    r = [t.clone() for t in (*dirty, dirty_po)]  # the reference's copies
+    before = [t.clone() for t in (dirty_grad, *dirty, dirty_po)]
+    _run(impl, grad, *clean, clean_po, table, 1.0, lr, wd)
+    _run(impl, dirty_grad, *dirty, dirty_po, table, 1.0, lr, wd)
+    _run(ref, dirty_grad, *r, table, 1.0, lr, wd)
+    names = ("master", "exp_avg", "param_out")
+    assert_gaps_unchanged(before[1:], (*dirty, dirty_po), gap, names, "kernel")
+    assert_gaps_unchanged(before[1:], r, gap, names, "reference")
+    assert_bitwise_equal(dirty_grad, before[0], "grad")
+    for c, d, name in zip((*clean, clean_po), (*dirty, dirty_po), names):
+        assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), f"kernel: {name} pieces differ from the zero-gap run"
+    master, m = dirty
+    assert_fp32_close(master.cpu()[piece_cpu], W[piece_cpu], "master", skip=tie[piece_cpu])
+    assert_fp32_close(m.cpu()[piece_cpu], M[piece_cpu], "exp_avg")
+    assert_param_out(dirty_po, master, W, piece, skip=tie)
+    # vs the reference on the same CUDA tensors, pieces only (near ties of sign(c) left out)
+    for got, want, name, keep in [(master, r[0], "master", piece_cpu & ~tie), (m, r[1], "exp_avg", piece_cpu)]:
+        got, want = got.cpu()[keep], want.cpu()[keep]
+        atol = 1e-7 * float(want.abs().max()) if want.numel() else 0.0
+        _assert_within(got, want, rtol=1e-6, atol=atol, what=f"{name} vs reference")
 
 
 @cuda

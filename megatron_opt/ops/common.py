@@ -1,9 +1,12 @@
 """Helpers shared by the torch implementations of the passes (reference and CPU)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Iterator, Optional, Sequence
 
 import torch
+
+from .piece_table import PieceTable
 
 
 def sum_of_squares(grad: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -12,6 +15,33 @@ def sum_of_squares(grad: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch
     for s, e in runs:
         total = total + torch.linalg.vector_norm(grad[s:e], dtype=torch.float64).square()
     return total
+
+
+def zero_gaps(grad: torch.Tensor, table: PieceTable) -> torch.Tensor:
+    """A copy of ``grad`` with every gap element inside the span set to +0 (``grad`` itself when the
+    table has no gaps): flat reductions over runs of it see the piece elements only."""
+    idx = table.gap_index(grad.device)
+    return grad if idx.numel() == 0 else grad.index_fill(0, idx, 0)
+
+
+@contextmanager
+def gaps_kept(table: PieceTable, *outputs: Optional[torch.Tensor]) -> Iterator[None]:
+    """Pass-2 ops write piece elements only. The torch versions update whole runs of pieces (gaps
+    included) with a few flat ops; this saves the gap elements of the ``outputs`` (None entries are
+    skipped) and puts them back on exit, so each gap element ends bitwise as it was, whatever it
+    held. The gaps are few and short: a gather and a scatter of them cost little next to the update.
+    Outputs that alias one another (an fp32 master used as param_out) get the same values back."""
+    saved = []
+    for t in outputs:
+        if t is not None:
+            idx = table.gap_index(t.device)
+            if idx.numel():
+                saved.append((t, idx, t.index_select(0, idx)))
+    try:
+        yield
+    finally:
+        for t, idx, values in saved:
+            t.index_copy_(0, idx, values)
 
 
 def is_skipped(found_inf: Optional[torch.Tensor]) -> bool:

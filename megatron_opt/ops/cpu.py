@@ -5,6 +5,11 @@ non-finite check from the float64 sum of squares (finite exactly when every elem
 square of any fp32/bf16/fp16 value fits in float64 many times over) and counts exactly only when
 that sum is not finite. Pass 2 runs torch._fused_adamw_ (one fused loop per param group) on a scaled
 copy of the gradient, instead of the reference's sequence of separate ops.
+
+Gaps as in the reference, whatever they hold: pass 1 counts and sums piece elements only (the gaps
+are read first, a small gather; only when one is nonzero does it work on a copy with zeroed gaps),
+and pass 2 writes piece elements only (the fused loops sweep whole runs, gaps included, and
+``common.gaps_kept`` puts the gap elements of master, state and param_out back afterwards).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import reference
-from .common import is_skipped, sum_of_squares
+from .common import gaps_kept, is_skipped, sum_of_squares, zero_gaps
 from .piece_table import PieceTable
 
 advance_step = reference.advance_step
@@ -27,6 +32,8 @@ def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, s
     span = table.span()
     if span is None:
         return
+    if int(torch.count_nonzero(grad.index_select(0, table.gap_index(grad.device)))):
+        grad = zero_gaps(grad, table)  # rare: garbage in the gaps (normally exactly zero) must not count
     in_norm = sum_of_squares(grad, table.norm_runs())
     excluded = sum_of_squares(grad, [(s, e) for s, e, k in table.runs(table.in_norm) if not k])
     if math.isfinite(float(in_norm + excluded)):
@@ -68,12 +75,13 @@ def adamw_step(
     by_group: dict[int, list] = {}
     for s, e, gid in table.group_runs():
         by_group.setdefault(gid, []).append((s - a, e - a))
-    for gid, runs in by_group.items():
-        torch._fused_adamw_(
-            [master[a + s : a + e] for s, e in runs], [g[s:e] for s, e in runs],
-            [exp_avg[a + s : a + e] for s, e in runs], [exp_avg_sq[a + s : a + e] for s, e in runs], [],
-            [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
-            weight_decay=float(weight_decay[gid]), eps=eps, amsgrad=False, maximize=False,
-        )
-    if param_out is not None:
-        param_out[a:b].copy_(master[a:b])
+    with gaps_kept(table, master, exp_avg, exp_avg_sq, param_out):
+        for gid, runs in by_group.items():
+            torch._fused_adamw_(
+                [master[a + s : a + e] for s, e in runs], [g[s:e] for s, e in runs],
+                [exp_avg[a + s : a + e] for s, e in runs], [exp_avg_sq[a + s : a + e] for s, e in runs], [],
+                [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
+                weight_decay=float(weight_decay[gid]), eps=eps, amsgrad=False, maximize=False,
+            )
+        if param_out is not None:
+            param_out[a:b].copy_(master[a:b])

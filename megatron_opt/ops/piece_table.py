@@ -1,8 +1,9 @@
 """The piece table: where the params lie inside one rank's flat shard of one bucket.
 
-Built once when the optimizer is constructed. Gaps between pieces are bucket padding; their
-gradients are always exactly zero (the buffer is zeroed every step and only param views are
-written), so flat passes over a run that includes gaps stay correct.
+Built once when the optimizer is constructed. Gaps between pieces are bucket padding. The ops never
+count a gap element in pass 1 and never write one in pass 2, whatever the gaps hold; the torch
+implementations still sweep whole runs of pieces (gaps included) for speed, and use ``gap_index``
+to leave the gaps out of the result (ops/common.py).
 """
 from __future__ import annotations
 
@@ -61,6 +62,18 @@ class PieceTable:
 
     def group_runs(self) -> list[tuple[int, int, int]]:
         return self.runs(self.group)  # type: ignore[return-value]
+
+    def gap_index(self, device: torch.device) -> torch.Tensor:
+        """int64 positions (shard coordinates) of the gap elements inside the span, i.e. of every
+        element of [first start, last end) outside the pieces, ascending (built once per device)."""
+        key = ("gap_index", str(device))
+        if key not in self._device_cache:
+            lo = torch.tensor(self.ends[:-1], dtype=torch.int64)
+            lens = torch.tensor(self.starts[1:], dtype=torch.int64) - lo
+            offsets = torch.cumsum(lens, 0) - lens  # where each gap begins in the list of gap elements
+            idx = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(offsets - lo, lens)
+            self._device_cache[key] = idx.to(device)
+        return self._device_cache[key]
 
     def device_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The table as device tensors for the CUDA kernels (built once per device)."""

@@ -5,6 +5,13 @@ keeps every per-step scalar on the tensors' device (no host synchronisation), ex
 ``found_inf`` given to a pass-2 op is read on the host here; the optimizer passes ``found_inf=None``
 because it has already made the skip decision after its one sync per step.
 
+Gaps (bucket padding between pieces) are never part of a result, whatever they hold (garbage,
+inf and NaN included): pass 1 counts and sums piece elements only, and pass 2 writes piece elements
+only, leaving every gap element of master, state and param_out bitwise unchanged; the values in the
+grad's gaps never reach a piece element. (For speed the torch ops below sweep whole runs of pieces,
+gaps included: pass 1 reads a copy of the grad with zeroed gaps, and pass 2 puts the gap elements
+back afterwards, ``common.gaps_kept``.)
+
 Stats layout (float64, accumulated so several shards can share one tensor):
     stats[0] += number of non-finite grad elements in the pieces
     stats[1] += sum over in-norm pieces of (grad * inv_scale) ** 2
@@ -16,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .common import is_skipped, sum_of_squares
+from .common import gaps_kept, is_skipped, sum_of_squares, zero_gaps
 from .piece_table import PieceTable
 
 STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS = 0, 1, 2
@@ -34,6 +41,7 @@ def grad_stats(
     span = table.span()
     if span is None:
         return
+    grad = zero_gaps(grad, table)  # whatever the grad's gaps hold, they now add nothing but counted zeros
     flat = grad[span[0] : span[1]]
     nonfinite = torch.isfinite(flat).logical_not_().sum()
     sumsq = sum_of_squares(grad, table.norm_runs()) * inv_scale.double().square().reshape(())
@@ -79,22 +87,23 @@ def adamw_step(
     if span is None or is_skipped(found_inf):
         return
     a, b = span
-    g = grad[a:b].float() * grad_scale  # a new tensor: never scale the persistent grad buffer
-    m, v, w = exp_avg[a:b], exp_avg_sq[a:b], master[a:b]
-    m.lerp_(g, 1 - beta1)
-    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    t = step.double().reshape(())
-    bias_correction1 = 1 - beta1**t
-    bias_correction2_sqrt = (1 - beta2**t).sqrt()
-    update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(eps)
-    for s, e, gid in table.group_runs():
-        w_run = w[s - a : e - a]
-        decay = lr[gid] * weight_decay[gid]
-        if decay != 0:
-            w_run.mul_(1 - decay)
-        w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
-    if param_out is not None:
-        param_out[a:b].copy_(w)
+    with gaps_kept(table, master, exp_avg, exp_avg_sq, param_out):
+        g = grad[a:b].float() * grad_scale  # a new tensor: never scale the persistent grad buffer
+        m, v, w = exp_avg[a:b], exp_avg_sq[a:b], master[a:b]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t = step.double().reshape(())
+        bias_correction1 = 1 - beta1**t
+        bias_correction2_sqrt = (1 - beta2**t).sqrt()
+        update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(eps)
+        for s, e, gid in table.group_runs():
+            w_run = w[s - a : e - a]
+            decay = lr[gid] * weight_decay[gid]
+            if decay != 0:
+                w_run.mul_(1 - decay)
+            w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
+        if param_out is not None:
+            param_out[a:b].copy_(w)
 
 
 def sgd_step(
@@ -119,25 +128,26 @@ def sgd_step(
     if span is None or is_skipped(found_inf):
         return
     a, b = span
-    g = grad[a:b].float() * grad_scale
-    w = master[a:b]
-    for s, e, gid in table.group_runs():
-        sl = slice(s - a, e - a)
-        if weight_decay[gid] != 0:
-            g[sl].add_(w[sl], alpha=weight_decay[gid])
-    if momentum != 0:
-        if momentum_buffer is None:
-            raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
-        buf = momentum_buffer[a:b]
-        buf.mul_(momentum).add_(g)
-        direction = g.add(buf, alpha=momentum) if nesterov else buf
-    else:
-        direction = g
-    for s, e, gid in table.group_runs():
-        sl = slice(s - a, e - a)
-        w[sl].sub_(direction[sl], alpha=lr[gid])
-    if param_out is not None:
-        param_out[a:b].copy_(w)
+    if momentum != 0 and momentum_buffer is None:
+        raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
+    with gaps_kept(table, master, momentum_buffer if momentum != 0 else None, param_out):
+        g = grad[a:b].float() * grad_scale
+        w = master[a:b]
+        for s, e, gid in table.group_runs():
+            sl = slice(s - a, e - a)
+            if weight_decay[gid] != 0:
+                g[sl].add_(w[sl], alpha=weight_decay[gid])
+        if momentum != 0:
+            buf = momentum_buffer[a:b]
+            buf.mul_(momentum).add_(g)
+            direction = g.add(buf, alpha=momentum) if nesterov else buf
+        else:
+            direction = g
+        for s, e, gid in table.group_runs():
+            sl = slice(s - a, e - a)
+            w[sl].sub_(direction[sl], alpha=lr[gid])
+        if param_out is not None:
+            param_out[a:b].copy_(w)
 
 
 def lion_step(
@@ -158,21 +168,22 @@ def lion_step(
 
         c = beta1 * m + (1 - beta1) * g;  w = w * (1 - lr * wd) - lr * sign(c);  m = beta2 * m + (1 - beta2) * g
 
-    Padding gaps have g = m = w = 0, so they stay 0.
+    Gap elements of master, exp_avg and param_out are left bitwise unchanged.
     """
     span = table.span()
     if span is None or is_skipped(found_inf):
         return
     a, b = span
-    g = grad[a:b].float() * grad_scale
-    m, w = exp_avg[a:b], master[a:b]
-    direction = m.lerp(g, 1 - beta1).sign_()
-    for s, e, gid in table.group_runs():
-        w_run = w[s - a : e - a]
-        decay = lr[gid] * weight_decay[gid]
-        if decay != 0:
-            w_run.mul_(1 - decay)
-        w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
-    m.lerp_(g, 1 - beta2)
-    if param_out is not None:
-        param_out[a:b].copy_(w)
+    with gaps_kept(table, master, exp_avg, param_out):
+        g = grad[a:b].float() * grad_scale
+        m, w = exp_avg[a:b], master[a:b]
+        direction = m.lerp(g, 1 - beta1).sign_()
+        for s, e, gid in table.group_runs():
+            w_run = w[s - a : e - a]
+            decay = lr[gid] * weight_decay[gid]
+            if decay != 0:
+                w_run.mul_(1 - decay)
+            w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
+        m.lerp_(g, 1 - beta2)
+        if param_out is not None:
+            param_out[a:b].copy_(w)
