@@ -184,13 +184,11 @@ class OptimizerConfig:
         "overlap_param_gather_with_optimizer_step": False,
         "optimizer_cpu_offload": False,
         "optimizer_offload_fraction": 0.0,
-        "optimizer_cuda_graph": False,
     }
     _WHY = {
         "use_precision_aware_optimizer": "master weights and moments are always fp32",
         "decoupled_weight_decay": "Adam runs as AdamW (decoupled weight decay) only",
         "optimizer_cpu_offload": "CPU offload of the optimizer is not implemented",
-        "optimizer_cuda_graph": "the step is not wrapped in a CUDA graph yet",
     }
 
     def __post_init__(self) -> None:

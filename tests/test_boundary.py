@@ -107,7 +107,7 @@ class _HalfStepSGD(mo.UpdateRule):
     def state_dtypes(self):
         return {"calls": torch.float64}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend):
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None):
         lr, wd = lr_wd[:, 0].tolist(), lr_wd[:, 1].tolist()
         for s in plan.shards:  # shard state: state_dtypes()'s tensors in order
             s.state[0].add_(1)

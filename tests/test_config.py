@@ -51,7 +51,6 @@ OPT_UNSUPPORTED = [
     ("overlap_param_gather_with_optimizer_step", True),
     ("optimizer_cpu_offload", True),
     ("optimizer_offload_fraction", 0.5),
-    ("optimizer_cuda_graph", True),
 ]
 
 

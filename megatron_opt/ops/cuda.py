@@ -102,10 +102,31 @@ def _group_lists(op: str, table: PieceTable, lr: Sequence[float], weight_decay: 
     return lr_l, wd_l
 
 
+_PLAN_CACHE_SIZE = 8
+
+
+def _cached(table: PieceTable, key: tuple, build):
+    """A small per-table cache, so that the single-shard ops can be warmed up and then captured in a
+    CUDA graph (the capture reuses the plan and the lr table built outside it)."""
+    cache = table._device_cache.setdefault("cuda_single_shard", {})
+    if key not in cache:
+        if len(cache) >= _PLAN_CACHE_SIZE:
+            cache.pop(next(iter(cache)))
+        cache[key] = build()
+    return cache[key]
+
+
+def _plan(table: PieceTable, grad, master=None, state=(), param_out=None, update=True) -> StepPlan:
+    arrays = (grad, master, *state, param_out)
+    key = ("plan", update, tuple(None if t is None else (t.data_ptr(), t.dtype, t.numel()) for t in arrays))
+    return _cached(table, key, lambda: StepPlan((ShardOperands(table, grad, master, tuple(state), param_out),),
+                                                update=update))
+
+
 def _lr_wd(op: str, table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float],
            device: torch.device) -> torch.Tensor:
     lr_l, wd_l = _group_lists(op, table, lr, weight_decay)
-    return lr_wd_table(lr_l, wd_l, device)
+    return _cached(table, ("lr_wd", str(device), tuple(lr_l), tuple(wd_l)), lambda: lr_wd_table(lr_l, wd_l, device))
 
 
 def _param_code(plan: StepPlan) -> int:
@@ -131,7 +152,7 @@ def grad_stats(
     if stats.numel() != 3 or not stats.is_contiguous():
         raise ValueError(f"{op}: stats must be a contiguous float64 tensor with 3 elements, got shape {tuple(stats.shape)}")
     if table.num_pieces:
-        grad_stats_planned(StepPlan((ShardOperands(table, grad),), update=False), inv_scale, stats, count_zeros)
+        grad_stats_planned(_plan(table, grad, update=False), inv_scale, stats, count_zeros)
 
 
 def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True) -> None:
@@ -192,7 +213,7 @@ def adamw_step(
     )
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
-        plan = StepPlan((ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out),))
+        plan = _plan(table, grad, master, (exp_avg, exp_avg_sq), param_out)
         adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2, eps=eps,
                            found_inf=found_inf)
 
@@ -243,7 +264,7 @@ def sgd_step(
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
         state = (momentum_buffer,) if momentum != 0 else ()
-        plan = StepPlan((ShardOperands(table, grad, master, state, param_out),))
+        plan = _plan(table, grad, master, state, param_out)
         sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=momentum, nesterov=nesterov,
                          found_inf=found_inf)
 
@@ -290,7 +311,7 @@ def lion_step(
     )
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
-        plan = StepPlan((ShardOperands(table, grad, master, (exp_avg,), param_out),))
+        plan = _plan(table, grad, master, (exp_avg,), param_out)
         lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
 
 

@@ -179,9 +179,11 @@ class StepPlan:
             ptrs = [[0 if t is None else t.data_ptr() for t in self._arrays(s)] for s in self.shards]
             chunks = [[k, a, e, g | (int(bool(n)) << _IN_NORM_BIT) | ((p + 1) << _PHASE_SHIFT)]
                       for k, a, e, g, n, p in self._chunk_rows]
+            host_ptrs = torch.tensor(ptrs, dtype=torch.int64).reshape(-1, PTR_COLS)
+            host_chunks = torch.tensor(chunks, dtype=torch.int64).reshape(-1, 4)
             self._device_cache.update(
-                ptrs=torch.tensor(ptrs, dtype=torch.int64).reshape(-1, PTR_COLS).to(device),
-                chunks=torch.tensor(chunks, dtype=torch.int64).reshape(-1, 4).to(device),
+                ptrs=_upload(host_ptrs, device, self._device_cache),
+                chunks=_upload(host_chunks, device, self._device_cache),
                 sumsq_ws=torch.empty(max(1, self.num_chunks), dtype=torch.float64, device=device),
                 counts_ws=torch.empty(2 * max(1, self.num_chunks), dtype=torch.int32, device=device),
             )
@@ -197,17 +199,31 @@ class StepPlan:
             raise ValueError(f"{op}: lr_wd is on {lr_wd.device}, the plan on {self.device}")
 
 
+def _upload(host: torch.Tensor, device: torch.device, keep: dict) -> torch.Tensor:
+    """Copy to ``device`` without a host sync. The pinned source is kept in ``keep``: a copy recorded
+    while a CUDA graph is being captured reads it again at every replay."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    keep.setdefault("pinned_sources", []).append(pinned)
+    return pinned.to(device, non_blocking=True)
+
+
 def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> torch.Tensor:
-    """A [num_groups, 2] float64 (lr, weight decay) table on ``device``, copied without a host sync."""
+    """A [num_groups, 2] float64 (lr, weight decay) table on ``device``, copied without a host sync
+    (a new table per call: the optimizer keeps one ``DeviceHyperparams`` instead)."""
     lr_l, wd_l = [float(x) for x in lr], [float(x) for x in weight_decay]
     if len(lr_l) != len(wd_l):
         raise ValueError(f"lr has {len(lr_l)} entries but weight_decay has {len(wd_l)}")
     if not lr_l:
         raise ValueError("lr must have one entry per param group")
     host = torch.tensor(list(zip(lr_l, wd_l)), dtype=torch.float64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    if device.type != "cuda":
+        return host.to(device)
+    out = torch.empty_like(host, device=device)
+    out._megatron_opt_source = host.pin_memory()  # alive as long as the table (graph replays read it)
+    out.copy_(out._megatron_opt_source, non_blocking=True)
+    return out
 
 
 class DeviceHyperparams:

@@ -5,7 +5,7 @@
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -27,6 +27,12 @@ class MegatronGradScaler:
     def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
         raise NotImplementedError
 
+    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
+        """The same update as device ops, for a step with no host synchronisation: ``overflow`` (a
+        bool tensor) is update(True); ``applied`` is update(False); neither (a step skipped for its
+        norm) leaves the scaler as it was."""
+        raise NotImplementedError
+
     def state_dict(self) -> dict:
         raise NotImplementedError
 
@@ -38,6 +44,9 @@ class ConstantGradScaler(MegatronGradScaler):
     """A fixed scale. Non-finite steps are still skipped (the check runs whenever a scaler exists)."""
 
     def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
+        pass
+
+    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
         pass
 
     def state_dict(self) -> dict:
@@ -77,8 +86,35 @@ class DynamicGradScaler(MegatronGradScaler):
         self.hysteresis = int(hysteresis)
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
+        self._trackers: Optional[torch.Tensor] = None  # [growth, hysteresis] on the device, once used there
+
+    # Once a step has run on the device, the device trackers are the truth (a captured CUDA graph
+    # holds their address, so they are never replaced); host uses read and write them in place.
+    def _pull_trackers(self) -> None:
+        if self._trackers is not None:
+            self._growth_tracker, self._hysteresis_tracker = (int(x) for x in self._trackers.tolist())
+
+    def _push_trackers(self) -> None:
+        if self._trackers is not None:
+            self._trackers.copy_(torch.tensor([self._growth_tracker, self._hysteresis_tracker], dtype=torch.int64))
+
+    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
+        if self._trackers is None:
+            self._trackers = torch.tensor([self._growth_tracker, self._hysteresis_tracker], dtype=torch.int64,
+                                          device=self._scale.device)
+        growth, hyst = self._trackers[0], self._trackers[1]
+        growth = torch.where(overflow, 0, torch.where(applied, growth + 1, growth))
+        grow = applied & (growth == self.growth_interval)
+        growth = torch.where(grow, 0, growth)
+        hyst = torch.where(overflow, hyst - 1, torch.where(grow, self.hysteresis, hyst))
+        backoff = overflow & (hyst <= 0)
+        scale = torch.where(backoff, (self._scale * self.backoff_factor).clamp(min=self.min_scale),
+                            torch.where(grow, self._scale * self.growth_factor, self._scale))
+        self._scale.copy_(scale)
+        self._trackers.copy_(torch.stack([growth, hyst]))
 
     def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
+        self._pull_trackers()
         if bool(found_inf):
             self._growth_tracker = 0
             self._hysteresis_tracker -= 1
@@ -90,8 +126,10 @@ class DynamicGradScaler(MegatronGradScaler):
                 self._growth_tracker = 0
                 self._hysteresis_tracker = self.hysteresis
                 self._scale.mul_(self.growth_factor)
+        self._push_trackers()
 
     def state_dict(self) -> dict:
+        self._pull_trackers()
         return {
             "scale": self._scale.detach().cpu().clone(),
             "growth_tracker": self._growth_tracker,
@@ -102,3 +140,4 @@ class DynamicGradScaler(MegatronGradScaler):
         self._scale.copy_(state_dict["scale"].to(self._scale.device).reshape(1))
         self._growth_tracker = int(state_dict["growth_tracker"])
         self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
+        self._push_trackers()

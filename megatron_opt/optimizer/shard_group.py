@@ -17,7 +17,7 @@ The step driver calls the leaf protocol (``accumulate_local_stats``, ``apply_upd
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch.profiler import record_function
@@ -212,16 +212,26 @@ class ShardGroup:
                 ops.grad_stats_planned(lg.plan, self._inv_scale[lg.scale_key], stats[: ops.NUM_STATS], count_zeros,
                                        backend=self.backend)
 
-    def apply_update(self, clip_coef: float) -> None:
-        """Pass 2 over every owned shard with the current param_groups' lr and weight decay."""
-        ops.advance_step(self.step, backend=self.backend)  # also on ranks that own nothing: one count everywhere
+    def stage_hyperparams(self) -> torch.Tensor:
+        """Copy the param_groups' lr and weight decay into the device table (only when one changed)."""
+        return self._hyperparams.update([g["lr"] for g in self.param_groups],
+                                        [g["weight_decay"] for g in self.param_groups])
+
+    def apply_update(self, clip_coef: Union[float, torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None:
+        """Pass 2 over every owned shard with the current param_groups' lr and weight decay. A device
+        ``clip_coef`` and ``found_inf`` (a step decided on the device) keep the step free of host syncs."""
+        ops.advance_step(self.step, found_inf, backend=self.backend)  # also on ranks that own nothing
         if not self.launch_groups:
             return
-        lr_wd = self._hyperparams.update([g["lr"] for g in self.param_groups],
-                                         [g["weight_decay"] for g in self.param_groups])
+        lr_wd = self.stage_hyperparams()
         for lg in self.launch_groups:
-            self.rule.apply(lg.plan, lr_wd=lr_wd, grad_scale=self._inv_scale[lg.scale_key], clip_coef=clip_coef,
-                            step=self.step, backend=self.backend)
+            inv = self._inv_scale[lg.scale_key]
+            if isinstance(clip_coef, torch.Tensor):  # fp32 inv * fp32 clip: the same rounding as the kernels'
+                grad_scale, coef = inv * clip_coef, 1.0
+            else:
+                grad_scale, coef = inv, clip_coef
+            self.rule.apply(lg.plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=coef, step=self.step,
+                            backend=self.backend, found_inf=found_inf)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
         for source in self.sources:

@@ -30,6 +30,13 @@ def reduce_stats(stats: torch.Tensor, groups: Sequence[Optional[torch.distribute
         collectives.all_reduce(stats, group)
 
 
+def grad_norm_of(stats: torch.Tensor) -> torch.Tensor:
+    """sqrt of the summed squares, as a 1-element tensor. The host-decided and the device-decided
+    step both take the norm with this op: torch's CPU float64 sqrt is not always correctly rounded,
+    so ``math.sqrt`` on the host could differ from it in the last bit."""
+    return stats[STAT_SUMSQ].reshape(1).sqrt()
+
+
 @dataclass(frozen=True)
 class GradStats:
     nonfinite: int
@@ -44,11 +51,10 @@ class GradStats:
 
     @classmethod
     def from_tensor(cls, stats: torch.Tensor) -> "GradStats":
-        values = stats.tolist()  # the step's one host synchronisation
-        sumsq = values[STAT_SUMSQ]
+        values = torch.cat([stats, grad_norm_of(stats)]).tolist()  # the step's one host synchronisation
         return cls(
             nonfinite=int(values[STAT_NONFINITE]) if math.isfinite(values[STAT_NONFINITE]) else 1,
-            grad_norm=math.sqrt(sumsq) if sumsq >= 0 else float("nan"),
+            grad_norm=values[-1],
             num_zeros=int(values[STAT_ZEROS]),
             missing_backward=int(values[STAT_MISSING_BACKWARD]),
         )

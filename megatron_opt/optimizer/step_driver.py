@@ -11,14 +11,21 @@ read; the loss scaler is updated once per step: at once on an overflow, when the
 applied on a clean step, and not at all on a step skipped for its norm (docs/contract.md rules 1-3). step() runs the whole
 sequence once and returns (success, grad_norm, num_zeros). The driver owns the skip log.
 
+With ``optimizer_cuda_graph`` the step is decided on the device instead (``_step_on_device``): the
+skip decision, the clip coefficient and the loss-scaler update are device ops, pass 2 reads the skip
+flag on the device, step() returns device tensors (reading them is the caller's sync), and on CUDA
+everything after the gradient sync (pass 1, the statistics all-reduce, the decision, pass 2 and a
+synchronous param all-gather) is captured once in a CUDA graph and replayed every step.
+
 Leaves implement (see ShardGroup): ``sources``, ``accumulate_local_stats(stats, loss_scale,
-count_zeros)``, ``apply_update(clip_coef)``, ``start_param_sync()``, ``clear_model_grads(set_to_none)``.
+count_zeros)``, ``stage_hyperparams()``, ``apply_update(clip_coef, found_inf=None)``,
+``start_param_sync()``, ``clear_model_grads(set_to_none)``.
 """
 from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, Union
 
 import torch
 from torch.profiler import record_function
@@ -51,7 +58,9 @@ class Leaf(Protocol):
 
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None: ...
 
-    def apply_update(self, clip_coef: float) -> None: ...
+    def stage_hyperparams(self) -> torch.Tensor: ...
+
+    def apply_update(self, clip_coef: Union[float, torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None: ...
 
     def start_param_sync(self, force_sync: bool = False) -> None: ...
 
@@ -77,8 +86,23 @@ class StepDriver:
         self._stats: Optional[grad_stats.GradStats] = None
         self._clip_coef = 1.0
         self._one = torch.ones(1, dtype=torch.float32, device=device)
-        self.skipped_steps = 0
+        self._skipped_host = 0
         self.last_skip_reason: Optional[SkipReason] = None
+        self._device_step: Optional[_DeviceStep] = None
+        if getattr(config, "optimizer_cuda_graph", False):
+            self._device_step = _DeviceStep(self, device)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped so far (with optimizer_cuda_graph, reading it synchronises with the device)."""
+        dev = 0 if self._device_step is None else int(self._device_step.skipped.item())
+        return self._skipped_host + dev
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host = int(value)
+        if self._device_step is not None:
+            self._device_step.skipped.zero_()
 
     def _step_ids(self) -> tuple:
         return tuple(src.step_id for src in self.sources)
@@ -189,7 +213,9 @@ class StepDriver:
         raise RankError(f"the optimizer update failed on {where}. The ranks' params may now differ: restart from the "
                         f"last checkpoint.") from failure
 
-    def step(self) -> tuple[bool, Optional[float], Optional[int]]:
+    def step(self) -> tuple[Any, Any, Any]:
+        if self._device_step is not None:
+            return self._device_step.run()
         found_inf = self.prepare_grads()
         if found_inf:
             return self.step_with_ready_grads(), None, None
@@ -206,7 +232,7 @@ class StepDriver:
 
     def _skip(self, reason: SkipReason, detail: str = "") -> None:
         self._state = StepState.SKIPPED
-        self.skipped_steps += 1
+        self._skipped_host += 1
         self.last_skip_reason = reason
         scale = f"; loss scale is now {self.get_loss_scale().item():g}" if self.grad_scaler is not None else ""
         logger.warning("megatron_opt: step skipped: %s%s%s (skipped steps so far: %d)",
@@ -219,6 +245,95 @@ class StepDriver:
         self._state = StepState.IDLE
         self._prepared_ids = None
         self._stats = None
+
+
+class _DeviceStep:
+    """The step decided on the device (optimizer_cuda_graph): no host synchronisation, and on CUDA
+    one CUDA graph for everything after the gradient sync. Inputs that change between steps live
+    in device tensors the graph reads: the gradient scale factor (DDP's), the loss scale, the
+    (lr, wd) tables (staged before each replay) and the missing-backward flag."""
+
+    def __init__(self, driver: "StepDriver", device: torch.device) -> None:
+        self.d = driver
+        self.stats = grad_stats.new_stats(device)
+        self.missing = torch.zeros((), dtype=torch.float64, device=device)
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+        self.success = torch.zeros((), dtype=torch.bool, device=device)
+        self.grad_norm = torch.zeros((), dtype=torch.float64, device=device)
+        self.use_graph = device.type == "cuda"
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self._eager_runs = 0
+
+    def _param_sync_in_graph(self) -> bool:
+        return not any(src.ddp_config.overlap_param_gather for src in self.d.sources)
+
+    def core(self) -> None:
+        """Everything after the gradient sync, as device work only (what the graph captures)."""
+        d, cfg, stats = self.d, self.d.config, self.stats
+        stats.zero_()
+        loss_scale = d.get_loss_scale()
+        with record_function("megatron_opt.pass1"):
+            for leaf in d.leaves:
+                leaf.accumulate_local_stats(stats, loss_scale, bool(cfg.log_num_zeros_in_grad))
+        stats[grad_stats.STAT_MISSING_BACKWARD].copy_(self.missing)
+        with record_function("megatron_opt.stats_allreduce"):
+            grad_stats.reduce_stats(stats, d.stats_groups)
+        sumsq = stats[grad_stats.STAT_SUMSQ]
+        missing = stats[grad_stats.STAT_MISSING_BACKWARD] != 0
+        overflow = ((stats[grad_stats.STAT_NONFINITE] != 0) | ~torch.isfinite(sumsq)) & ~missing
+        norm = grad_stats.grad_norm_of(stats)[0]
+        skip = overflow | missing
+        if cfg.grad_norm_skip_threshold is not None:
+            skip = skip | (norm > cfg.grad_norm_skip_threshold)
+        if d.grad_scaler is not None:
+            d.grad_scaler.update_on_device(overflow, ~skip)
+        if cfg.clip_grad > 0.0:
+            coef = cfg.clip_grad / (norm + 1.0e-6)
+            clip = torch.where(coef < 1.0, coef, torch.ones_like(coef)).float()
+        else:
+            clip = torch.ones((), dtype=torch.float32, device=stats.device)
+        self.found_inf.copy_(skip.reshape(1))
+        with record_function("megatron_opt.pass2"):
+            for leaf in d.leaves:
+                leaf.apply_update(clip, self.found_inf)
+        self.skipped.add_(skip.to(torch.int64))
+        self.success.copy_(~skip)
+        self.grad_norm.copy_(torch.where(skip, torch.full_like(norm, float("nan")), norm))
+        if self._param_sync_in_graph():
+            with record_function("megatron_opt.param_sync"):
+                for leaf in d.leaves:
+                    leaf.start_param_sync()
+
+    def run(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        d = self.d
+        if d.state is not StepState.IDLE:
+            raise StepOrderError("step() already ran for this step: start the next step with zero_grad_buffer() "
+                                 "and a backward (docs/contract.md rule 1).")
+        with record_function("megatron_opt.finish_grad_sync"):
+            for src in d.sources:
+                src.finish_grad_sync()
+        for leaf in d.leaves:  # host-side inputs, outside any graph
+            check_param_groups(leaf.param_groups)
+            leaf.stage_hyperparams()
+        self.missing.fill_(1.0 if all(src.grads_received == 0 for src in d.sources) else 0.0)
+        if self.use_graph and self.graph is None and self._eager_runs >= 1:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # capture records, it does not run: replay below
+                self.core()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.core()  # CPU, or the warm-up run before the capture on CUDA
+            self._eager_runs += 1
+        if not self._param_sync_in_graph():
+            with record_function("megatron_opt.param_sync"):
+                for leaf in d.leaves:
+                    leaf.start_param_sync()
+        d._state = StepState.STEPPED
+        d._prepared_ids = d._step_ids()
+        zeros = self.stats[grad_stats.STAT_ZEROS].clone() if d.config.log_num_zeros_in_grad else None
+        return self.success.clone(), self.grad_norm.clone(), zeros
 
 
 __all__ = ["StepDriver", "StepState", "SkipReason", "Leaf"]

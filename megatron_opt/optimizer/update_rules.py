@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -32,10 +32,11 @@ class UpdateRule(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, clip_coef: float,
-              step: torch.Tensor, backend: ops.Backend) -> None:
+              step: torch.Tensor, backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
         """Pass 2 over every shard of ``plan`` (whose shard state is ``state_dtypes()``'s tensors, in
         that order). ``lr_wd``: [param groups, 2] (lr, weight decay) on the plan's device; the grads
-        are multiplied by ``grad_scale * clip_coef``; ``step`` is the 1-based index of this update."""
+        are multiplied by ``grad_scale * clip_coef``; ``step`` is the 1-based index of this update;
+        a nonzero device flag ``found_inf`` means: write nothing (a step decided on the device)."""
 
     def hyperparameters(self) -> dict[str, Any]:
         """The rule's constants, recorded in state dicts for inspection (a load keeps the running
@@ -55,9 +56,9 @@ class AdamW(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
         ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, step=step,
-                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, backend=backend)
+                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, found_inf=found_inf, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,9 @@ class SGD(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
         ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, momentum=self.momentum,
-                             nesterov=self.nesterov, backend=backend)
+                             nesterov=self.nesterov, found_inf=found_inf, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,9 @@ class Lion(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend) -> None:
+    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
         ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, beta1=self.beta1,
-                              beta2=self.beta2, backend=backend)
+                              beta2=self.beta2, found_inf=found_inf, backend=backend)
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}
