@@ -74,8 +74,9 @@ import megatron_opt as mo
 FLOOR_BYTES = 34  # per element: pass 1 reads g (4); pass 2 reads g, w, m, v (16), writes w, m, v (12), bf16 p (2)
 MEGATRON_BYTES = 46  # norm 4 + clip 8 + AdamW 28 + fp32 -> bf16 copy 6 (+8 for the unscale pass)
 TORCH_FUSED_BYTES = 40  # norm 4 + clip 8 + AdamW 28
-IMPLS = ("ours", "megatron_like", "torch_fused")
-LABELS = {"ours": "ours (megatron_opt)", "megatron_like": "megatron-like", "torch_fused": "torch fused"}
+IMPLS = ("ours", "ours_graph", "megatron_like", "torch_fused")
+LABELS = {"ours": "ours (megatron_opt)", "ours_graph": "ours, optimizer_cuda_graph", "megatron_like": "megatron-like",
+          "torch_fused": "torch fused"}
 # --check tolerances (fp32): masters per tensor ||a-b||/||b||, the two-step update ||da-db||/||db||,
 # the grad norms, and the share of bf16 params that may differ (a master a few ulps apart can round the
 # other way near a bf16 tie).
@@ -167,7 +168,8 @@ class Data:
 class Ours:
     name = "ours"
 
-    def __init__(self, data: Data, args, device: torch.device) -> None:
+    def __init__(self, data: Data, args, device: torch.device, cuda_graph: bool = False) -> None:
+        self.cuda_graph = cuda_graph
         self.model = Stack(data.spec, device)
         named = list(self.model.named_parameters())
         if [(n, tuple(p.shape)) for n, p in named] != data.shapes:
@@ -181,7 +183,7 @@ class Ours:
         self.opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
             optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.beta1,
             adam_beta2=args.beta2, adam_eps=args.eps, clip_grad=args.clip_grad, bf16=True,
-            use_distributed_optimizer=True), self.ddp)
+            use_distributed_optimizer=True, optimizer_cuda_graph=cuda_graph), self.ddp)
         if args.perturb_ours_lr != 1.0:  # only to prove that --check catches a wrong update
             for group in self.opt.param_groups:
                 group["lr"] *= args.perturb_ours_lr
@@ -204,6 +206,8 @@ class Ours:
 
     def step(self) -> float:
         success, grad_norm, _ = self.opt.step()
+        if self.cuda_graph:  # device tensors: reading them here would put a host sync in the timed region
+            return grad_norm
         if not success:
             raise RuntimeError(f"megatron_opt skipped a step ({self.opt.last_skip_reason})")
         return grad_norm
@@ -440,12 +444,20 @@ def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optio
     record("ours", time_calls(ours.set_grads, ours.step, device, args.warmup, args.iters))
     del ours
     free_memory(device)
+    ours_graph = Ours(data, args, device, cuda_graph=True)
+    record("ours_graph", time_calls(ours_graph.set_grads, ours_graph.step, device, args.warmup, args.iters))
+    if not bool(ours_graph.opt.skipped_steps == 0):
+        raise RuntimeError("optimizer_cuda_graph skipped a step")
+    del ours_graph
+    free_memory(device)
     for cls in (MegatronLike, TorchFused):  # each allocated only for its own measurement
         record(cls.name, time_peer(cls(data, args, device), data, args, device))
         free_memory(device)
     ours_ms = row["impls"]["ours"]["ms"]
     row["speedup_vs_megatron_like"] = row["impls"]["megatron_like"]["ms"] / ours_ms
     row["speedup_vs_torch_fused"] = row["impls"]["torch_fused"]["ms"] / ours_ms
+    graph_ms = row["impls"]["ours_graph"]["ms"]
+    row["graph_speedup_vs_megatron_like"] = row["impls"]["megatron_like"]["ms"] / graph_ms
     if args.check:
         row["check"] = run_check(data, args, device)
         c = row["check"]
@@ -463,21 +475,21 @@ def gbs(x: float) -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
-    lines = [
-        "| elements (2^k) | copy GB/s | floor ms (34 B/elem) | ours ms | ours GB/s | ours / floor "
-        "| megatron-like ms | megatron-like GB/s | megatron-like / floor | torch fused ms | torch fused GB/s "
-        "| torch fused / floor | ours vs megatron-like | ours vs torch fused |",
-        "|---|" + "---:|" * 13,
-    ]
+    head = ["elements (2^k)", "copy GB/s", "floor ms (34 B/elem)"]
+    for name in IMPLS:
+        head += [f"{LABELS[name]} ms", f"{LABELS[name]} GB/s", f"{LABELS[name]} / floor"]
+    head += ["ours vs megatron-like", "ours vs torch fused", "graph vs megatron-like"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in results:
         if "skipped" in r:
-            lines.append(f"| {r['n']:,} (2^{r['log2_size']}) | skipped: {r['skipped']} |" + " |" * 12)
+            lines.append(f"| {r['n']:,} (2^{r['log2_size']}) | skipped: {r['skipped']} |" + " |" * (len(head) - 2))
             continue
         cells = [f"{r['n']:,} (2^{r['log2_size']})", gbs(r["copy_gbs"]), f"{r['floor_ms']:.3g}"]
         for name in IMPLS:
             i = r["impls"][name]
             cells += [f"{i['ms']:.3f}", gbs(i["gbs"]), f"{i['floor_ratio']:.2f}"]
-        cells += [f"{r['speedup_vs_megatron_like']:.2f}x", f"{r['speedup_vs_torch_fused']:.2f}x"]
+        cells += [f"{r['speedup_vs_megatron_like']:.2f}x", f"{r['speedup_vs_torch_fused']:.2f}x",
+                  f"{r['graph_speedup_vs_megatron_like']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -491,7 +503,7 @@ def plot(report: dict, path: str) -> None:
     rows = [r for r in report["results"] if "skipped" not in r]
     fig, ax = plt.subplots(figsize=(8, 5))
     xs = [r["n"] for r in rows]
-    for name, marker in zip(IMPLS, "osd"):
+    for name, marker in zip(IMPLS, "o^sd"):
         ax.plot(xs, [r["impls"][name]["gbs"] for r in rows], marker=marker, label=LABELS[name])
     ax.plot(xs, [r["copy_gbs"] for r in rows], linestyle="--", color="gray", label="copy bandwidth (fp32 copy_)")
     ax.set_xscale("log", base=2)

@@ -29,5 +29,5 @@ if has bench; then
   timeout 200 python3 scripts/bench_kernels.py --log2-sizes 24,26,28 --iters 20 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
 fi
 if has suite; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 200 tests 2>&1 | tee "$OUT/suite.log" | tail -30
+  timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests 2>&1 | tee "$OUT/suite.log" | tail -30
 fi

@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_optimizer_step.py")
-IMPLS = ("ours", "megatron_like", "torch_fused")
+IMPLS = ("ours", "ours_graph", "megatron_like", "torch_fused")
 
 
 def run_smoke(tmp_path, *extra):
