@@ -215,6 +215,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--overlap-param-gather", action="store_true")
     p.add_argument("--loss-mode", choices=mo.training.LOSS_MODES, default="per_token")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                   help="auto: one GPU per local rank when there are enough GPUs (NCCL), else CPU (gloo)")
     ck = p.add_argument_group("checkpoints")
     ck.add_argument("--save", default=None, help="checkpoint folder to save into")
     ck.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
@@ -266,10 +268,20 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--watchdog-min-seconds must be a positive number of seconds, got {args.watchdog_min_seconds:g}")
 
 
+def _use_cuda(choice: str) -> bool:
+    """One GPU per local rank: NCCL cannot run two ranks on one GPU."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    enough = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
+    if choice == "cuda" and not enough:
+        raise SystemExit(f"pretrain_gpt.py: --device cuda needs one GPU per local rank: {local_ranks} local ranks, "
+                         f"{torch.cuda.device_count()} GPUs visible. Lower --nproc_per_node or use --device cpu.")
+    return choice == "cuda" or (choice == "auto" and enough)
+
+
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
-    use_cuda = torch.cuda.is_available()
+    use_cuda = _use_cuda(args.device)
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo",
