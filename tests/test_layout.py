@@ -432,15 +432,6 @@ def test_piece_table_empty_and_full_table():
     assert t.span() is None and t.padding_in_span() == 0
 
 
-def test_piece_table_device_tensors_cpu():
-    t = _table([(0, 5), (8, 12)], 16, in_norm=(True, False), group=(1, 2))
-    d = t.device_tensors(torch.device("cpu"))
-    assert d["bounds"].tolist() == [[0, 5], [8, 12]]
-    assert d["in_norm"].tolist() == [1, 0]
-    assert d["group"].tolist() == [1, 2]
-    assert t.device_tensors(torch.device("cpu")) is d  # built once per device
-
-
 @st.composite
 def piece_tables(draw):
     n = draw(st.integers(0, 30))

@@ -75,17 +75,6 @@ class PieceTable:
             self._device_cache[key] = idx.to(device)
         return self._device_cache[key]
 
-    def device_tensors(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The table as device tensors for the CUDA kernels (built once per device)."""
-        key = str(device)
-        if key not in self._device_cache:
-            self._device_cache[key] = {
-                "bounds": torch.tensor(list(zip(self.starts, self.ends)), dtype=torch.int64).reshape(-1, 2).to(device),
-                "in_norm": torch.tensor(self.in_norm, dtype=torch.uint8).to(device),
-                "group": torch.tensor(self.group, dtype=torch.int32).to(device),
-            }
-        return self._device_cache[key]
-
 
 def full_table(numel: int) -> PieceTable:
     """One piece covering the whole shard, counted in the norm, group 0 (handy in tests)."""
