@@ -6,7 +6,6 @@ import math
 import torch
 import torch.distributed as dist
 
-import megatron_opt as mo
 from common import TinyLM, build, flat_params, global_batch, token_loss_sum
 
 # Per step: a grad multiplier and the lr. The plain norm is ~12: x0.1 clips with a coefficient in

@@ -23,6 +23,7 @@ import megatron_opt.ops as ops
 from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
+from gap_helpers import as_bits, assert_gaps_unchanged, piece_mask, with_gap_garbage
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -78,13 +79,6 @@ def make_table(n: int, layout: str) -> PieceTable:
     return full_table(n) if layout == "full" else gapped_table(n)
 
 
-def piece_mask(table: PieceTable, device="cpu") -> torch.Tensor:
-    mask = torch.zeros(table.numel, dtype=torch.bool, device=device)
-    for s, e in zip(table.starts, table.ends):
-        mask[s:e] = True
-    return mask
-
-
 def subnormal(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).smallest_normal / 4
 
@@ -125,43 +119,6 @@ def make_state(table: PieceTable, seed: int, device="cpu", gap_value: float = 0.
     for t in (master, m, v):
         out.append(torch.where(mask, t, torch.full_like(t, gap_value)).to(device))
     return out
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns (an integer view): compares NaN payloads and -0.0 exactly."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def with_gap_garbage(t: torch.Tensor, table: PieceTable, seed: int, kind: str = "bits") -> torch.Tensor:
-    """A copy of ``t`` whose elements outside the pieces hold garbage. kind="bits": random bit
-    patterns (NaNs with payloads, infs, huge, tiny and negative values) after a planted inf, -inf,
-    NaN, -0.0, +0.0, the dtype's max and a subnormal; kind="zeros": alternating -0.0 and +0.0."""
-    gap = ~piece_mask(table, t.device)
-    k = int(gap.sum())
-    if kind == "zeros":
-        garbage = torch.zeros(k, dtype=t.dtype)
-        garbage[::2] = -0.0
-    else:
-        gen = torch.Generator().manual_seed(seed)
-        half = 1 << (8 * t.element_size() - 1)
-        garbage = torch.randint(-half, half, (k,), generator=gen, dtype=torch.int64)
-        garbage = garbage.to(_INT_OF_SIZE[t.element_size()]).view(t.dtype)
-        fi = torch.finfo(t.dtype)
-        planted = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 0.0, fi.max, fi.smallest_normal / 4],
-                               dtype=t.dtype)[:k]
-        garbage[: planted.numel()] = planted
-    out = t.clone()
-    out[gap] = garbage.to(t.device)
-    return out
-
-
-def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> None:
-    for b, a, name in zip(before, after, names):
-        if b is not None:
-            assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
 
 
 # =================================================================================================

@@ -24,6 +24,7 @@ import megatron_opt.ops as ops
 from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
+from gap_helpers import as_bits, assert_gaps_unchanged, piece_mask, with_gap_garbage
 
 LR = [1e-2, 3e-3]
 WD = [0.1, 0.0]  # group 1 has no decay: the kernel's `decay != 0` branch is taken both ways
@@ -75,13 +76,6 @@ def gapped_table(n: int, ngroups: int = 2) -> PieceTable:
 
 def make_table(n: int, layout: str) -> PieceTable:
     return full_table(n) if layout == "full" else gapped_table(n)
-
-
-def piece_mask(table: PieceTable, device="cpu") -> torch.Tensor:
-    mask = torch.zeros(table.numel, dtype=torch.bool, device=device)
-    for s, e in zip(table.starts, table.ends):
-        mask[s:e] = True
-    return mask
 
 
 def make_grad(table: PieceTable, dtype: torch.dtype, seed: int, specials: bool = False, device="cpu") -> torch.Tensor:
@@ -198,39 +192,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     assert torch.equal(bits(a), bits(b)), f"{what} differs bitwise"
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bit patterns, element by element (an integer view of the same shape)."""
-    return t.view(_INT_OF_SIZE[t.element_size()])
-
-
-def with_gap_garbage(t: torch.Tensor, table: PieceTable, seed: int) -> torch.Tensor:
-    """A copy of ``t`` whose elements outside the pieces hold random bit patterns (NaNs with
-    payloads, infs, huge, tiny and negative values) after a planted inf, -inf, NaN, -0.0, +0.0,
-    the dtype's max and a subnormal."""
-    gap = ~piece_mask(table, t.device)
-    k = int(gap.sum())
-    gen = torch.Generator().manual_seed(seed)
-    half = 1 << (8 * t.element_size() - 1)
-    garbage = torch.randint(-half, half, (k,), generator=gen, dtype=torch.int64)
-    garbage = garbage.to(_INT_OF_SIZE[t.element_size()]).view(t.dtype)
-    fi = torch.finfo(t.dtype)
-    planted = torch.tensor([math.inf, -math.inf, math.nan, -0.0, 0.0, fi.max, fi.smallest_normal / 4],
-                           dtype=t.dtype)[:k]
-    garbage[: planted.numel()] = planted
-    out = t.clone()
-    out[gap] = garbage.to(t.device)
-    return out
-
-
-def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> None:
-    for b, a, name in zip(before, after, names):
-        if b is not None:
-            assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
 
 
 # =================================================================================================

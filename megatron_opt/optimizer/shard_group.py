@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from torch.profiler import record_function
 
 from .. import collectives, ops
 from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
