@@ -2,6 +2,9 @@ import os
 import sys
 
 import pytest
+import torch
+
+import megatron_opt.ops as ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -14,3 +17,20 @@ def pools():
     p = Pools()
     yield p
     p.close()
+
+
+
+@pytest.fixture(params=["cpu-bypass", "cuda"])
+def wrapper(request, monkeypatch):
+    """(megatron_opt.ops.cuda, device) for the ops wrapper tests: on a GPU, or on the CPU with the
+    wrapper's device check bypassed so that CPU tensors reach the compiled module's own checks."""
+    if not ops.HAS_CUDA_EXT:
+        pytest.skip(f"extension not built: {ops.CUDA_EXT_ERROR}")
+    from megatron_opt.ops import cuda as impl
+
+    if request.param == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+        return impl, torch.device("cuda")
+    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
+    return impl, torch.device("cpu")

@@ -1016,19 +1016,6 @@ def test_cuda_graph_capture_and_replay():
 needs_ext = pytest.mark.skipif(not ops.HAS_CUDA_EXT, reason=f"extension not built: {ops.CUDA_EXT_ERROR}")
 
 
-@pytest.fixture(params=["cpu-bypass", "cuda"])
-def wrapper(request, monkeypatch):
-    if not ops.HAS_CUDA_EXT:
-        pytest.skip(f"extension not built: {ops.CUDA_EXT_ERROR}")
-    impl = _cuda_impl()
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("no CUDA device")
-        return impl, torch.device("cuda")
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
-    return impl, torch.device("cpu")
-
-
 @needs_ext
 def test_wrapper_arguments_reach_the_extension(monkeypatch):
     impl = _cuda_impl()

@@ -604,19 +604,6 @@ def test_cuda_lion_dispatch_and_deterministic():
 # =================================================================================================
 # The Python wrapper: validation and argument passing into the compiled module
 # =================================================================================================
-@pytest.fixture(params=["cpu-bypass", "cuda"])
-def wrapper(request, monkeypatch):
-    if not ops.HAS_CUDA_EXT:
-        pytest.skip(f"extension not built: {ops.CUDA_EXT_ERROR}")
-    impl = _cuda_impl()
-    if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip("no CUDA device")
-        return impl, torch.device("cuda")
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
-    return impl, torch.device("cpu")
-
-
 @needs_ext
 def test_lion_wrapper_arguments_reach_the_extension(monkeypatch):
     """With the wrapper's device check bypassed, CPU tensors reach megatron_opt._C.lion_step, whose

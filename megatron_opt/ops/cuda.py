@@ -22,7 +22,7 @@ import torch  # must precede the extension import (it loads libc10 / libtorch)
 
 from .. import _C  # noqa: E402  (raises ImportError when the extension was not built)
 from .piece_table import PieceTable
-from .step_plan import DTYPE_CODES, ShardOperands, StepPlan, lr_wd_table
+from .step_plan import DTYPE_CODES, ShardOperands, StepPlan, check_no_overlap, lr_wd_table
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,25 +69,22 @@ def _cuda_device(op: str, grad: torch.Tensor) -> torch.device:
     return grad.device
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
-def _check_no_overlap(op: str, named: dict[str, Optional[torch.Tensor]], allow_same: Sequence[tuple[str, str]] = ()) -> None:
-    """Output buffers must not partially overlap each other or the inputs (exact aliases listed in
-    ``allow_same`` are fine: every element is read and written by the same thread)."""
-    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
-    for i in range(len(items)):
-        for j in range(i + 1, len(items)):
-            (na, a), (nb, b) = items[i], items[j]
-            a0, a1 = _byte_range(a)
-            b0, b1 = _byte_range(b)
-            if a0 < b1 and b0 < a1:
-                exact = a0 == b0 and a1 == b1 and a.dtype == b.dtype
-                if exact and ((na, nb) in allow_same or (nb, na) in allow_same):
-                    continue
-                raise ValueError(f"{op}: {na} and {nb} overlap in memory")
+def _check_update(op: str, table: PieceTable, grad: torch.Tensor, master: torch.Tensor,
+                  state: dict[str, torch.Tensor], param_out: Optional[torch.Tensor], grad_scale: torch.Tensor,
+                  found_inf: Optional[torch.Tensor]) -> torch.device:
+    """The checks every pass-2 op shares: flat operands, the device scalars, no overlapping outputs."""
+    device = _cuda_device(op, grad)
+    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
+    _check_flat(op, "master", master, device, (torch.float32,), table)
+    for name, t in state.items():
+        _check_flat(op, name, t, device, (torch.float32,), table)
+    if param_out is not None:
+        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
+    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
+    if found_inf is not None:
+        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
+    check_no_overlap(op, {"grad": grad, "master": master, **state, "param_out": param_out})
+    return device
 
 
 def _group_lists(op: str, table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float]):
@@ -195,22 +192,9 @@ def adamw_step(
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     op = "adamw_step"
-    device = _cuda_device(op, grad)
-    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
-    _check_flat(op, "master", master, device, (torch.float32,), table)
-    _check_flat(op, "exp_avg", exp_avg, device, (torch.float32,), table)
-    _check_flat(op, "exp_avg_sq", exp_avg_sq, device, (torch.float32,), table)
-    if param_out is not None:
-        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
-    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
+    device = _check_update(op, table, grad, master, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, param_out,
+                           grad_scale, found_inf)
     _check_scalar(op, "step", step, device, torch.int64)
-    if found_inf is not None:
-        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
-    _check_no_overlap(
-        op,
-        {"grad": grad, "master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq, "param_out": param_out},
-        allow_same=[("master", "param_out")],
-    )
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
         plan = _plan(table, grad, master, (exp_avg, exp_avg_sq), param_out)
@@ -243,28 +227,16 @@ def sgd_step(
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     op = "sgd_step"
-    device = _cuda_device(op, grad)
-    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
-    _check_flat(op, "master", master, device, (torch.float32,), table)
     if momentum != 0 and momentum_buffer is None:
         raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
-    if momentum_buffer is not None:
+    device = _check_update(op, table, grad, master,
+                           {"momentum_buffer": momentum_buffer} if momentum != 0 else {}, param_out,
+                           grad_scale, found_inf)
+    if momentum == 0 and momentum_buffer is not None:  # unused, but still checked
         _check_flat(op, "momentum_buffer", momentum_buffer, device, (torch.float32,), table)
-    if param_out is not None:
-        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
-    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
-    if found_inf is not None:
-        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
-    _check_no_overlap(
-        op,
-        {"grad": grad, "master": master, "momentum_buffer": momentum_buffer if momentum != 0 else None,
-         "param_out": param_out},
-        allow_same=[("master", "param_out")],
-    )
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
-        state = (momentum_buffer,) if momentum != 0 else ()
-        plan = _plan(table, grad, master, state, param_out)
+        plan = _plan(table, grad, master, (momentum_buffer,) if momentum != 0 else (), param_out)
         sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=momentum, nesterov=nesterov,
                          found_inf=found_inf)
 
@@ -295,20 +267,7 @@ def lion_step(
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     op = "lion_step"
-    device = _cuda_device(op, grad)
-    _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
-    _check_flat(op, "master", master, device, (torch.float32,), table)
-    _check_flat(op, "exp_avg", exp_avg, device, (torch.float32,), table)
-    if param_out is not None:
-        _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
-    _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
-    if found_inf is not None:
-        _check_scalar(op, "found_inf", found_inf, device, torch.float32)
-    _check_no_overlap(
-        op,
-        {"grad": grad, "master": master, "exp_avg": exp_avg, "param_out": param_out},
-        allow_same=[("master", "param_out")],
-    )
+    device = _check_update(op, table, grad, master, {"exp_avg": exp_avg}, param_out, grad_scale, found_inf)
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
         plan = _plan(table, grad, master, (exp_avg,), param_out)

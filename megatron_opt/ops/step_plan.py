@@ -83,10 +83,10 @@ def _check_operands(shards: Sequence[ShardOperands], needs_update: bool) -> None
             if [t.dtype for t in s.state] != [t.dtype for t in first.state]:
                 raise ValueError(f"StepPlan shard {k}: state dtypes {[t.dtype for t in s.state]} differ from "
                                  f"shard 0's {[t.dtype for t in first.state]}")
-        _check_no_partial_overlap(k, named)
+        check_no_overlap(f"StepPlan shard {k}", named)
 
 
-def _check_no_partial_overlap(k: int, named: dict[str, Optional[torch.Tensor]]) -> None:
+def check_no_overlap(where: str, named: dict[str, Optional[torch.Tensor]]) -> None:
     """Outputs must not overlap each other or the grad, except master aliasing param_out exactly
     (fp32 params: every element is then read and written by the same thread)."""
     items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
@@ -98,7 +98,7 @@ def _check_no_partial_overlap(k: int, named: dict[str, Optional[torch.Tensor]]) 
             if a0 < b1 and b0 < a1:
                 if {na, nb} == {"master", "param_out"} and (a0, a1, a.dtype) == (b0, b1, b.dtype):
                     continue
-                raise ValueError(f"StepPlan shard {k}: {na} and {nb} overlap in memory")
+                raise ValueError(f"{where}: {na} and {nb} overlap in memory")
 
 
 @dataclass
