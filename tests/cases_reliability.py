@@ -184,8 +184,9 @@ def group_without_this_rank() -> dict:
                                                      data_parallel_group=only_rank0))
 
 
-def update_fails_on_one_rank() -> dict:
-    """An update rule that raises on rank 1 only: every rank raises instead of waiting in the all-gather."""
+def update_fails_on_one_rank(device_step: bool = False) -> dict:
+    """An update rule that raises on rank 1 only: every rank raises instead of waiting in the all-gather
+    (also with the step decided on the device, optimizer_cuda_graph, which runs eagerly on CPU)."""
     rank = dist.get_rank()
     model = TinyLM()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
@@ -196,7 +197,8 @@ def update_fails_on_one_rank() -> dict:
                 raise FloatingPointError("update kernel failed")
             return super().apply(*a, **k)
 
-    opt = mo.DistributedOptimizer(mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True),
+    opt = mo.DistributedOptimizer(mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True,
+                                                     optimizer_cuda_graph=device_step),
                                   [ddp], update_rule=Flaky(momentum=0.9))
     batches = global_batch(4, seed=1)[2 * rank : 2 * rank + 2]
     return _timed(lambda: mo.train_step(ddp, opt, None, batches, lambda m, b: token_loss_sum(m(b[0]), b[1])))

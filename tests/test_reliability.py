@@ -196,8 +196,9 @@ def test_a_param_made_trainable_after_wrapping_is_caught():
         ddp.zero_grad_buffer()
 
 
-def test_an_update_failing_on_one_rank_raises_on_every_rank(pools):
-    for res in pools(2).run(cr.update_fails_on_one_rank, timeout=60):
+@pytest.mark.parametrize("device_step", [False, True])
+def test_an_update_failing_on_one_rank_raises_on_every_rank(pools, device_step):
+    for res in pools(2).run(cr.update_fails_on_one_rank, device_step, timeout=60):
         assert res["error"] is not None and res["error"].startswith("RankError"), res
         assert "rank 1" in res["error"] and "update kernel failed" in res["error"], res
         assert res["seconds"] < BOUND_S

@@ -294,9 +294,18 @@ class _DeviceStep:
         else:
             clip = torch.ones((), dtype=torch.float32, device=stats.device)
         self.found_inf.copy_(skip.reshape(1))
-        with record_function("megatron_opt.pass2"):
-            for leaf in d.leaves:
-                leaf.apply_update(clip, self.found_inf)
+        failure: Optional[BaseException] = None
+        try:
+            with record_function("megatron_opt.pass2"):
+                for leaf in d.leaves:
+                    leaf.apply_update(clip, self.found_inf)
+        except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+            failure = exc
+        if self.use_graph and torch.cuda.is_current_stream_capturing():
+            if failure is not None:  # no host read inside a capture; a replay runs no Python that could fail
+                raise failure
+        else:  # eager (CPU, or the first CUDA step): the same agreement as the host-decided step
+            d._agree_before_param_sync(failure)
         self.skipped.add_(skip.to(torch.int64))
         self.success.copy_(~skip)
         self.grad_norm.copy_(torch.where(skip, torch.full_like(norm, float("nan")), norm))
