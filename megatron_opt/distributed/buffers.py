@@ -50,12 +50,14 @@ class Bucket:
         """Record that ``param``'s last gradient of the step is in (see ``all_ready``)."""
         self._pending.discard(id(param))
 
-    def start_grad_sync(self, async_op: bool) -> None:
+    def start_grad_sync(self, async_op: bool, all_reduce: bool = False) -> None:
+        """Launch this bucket's reduction; ``all_reduce`` replaces the reduce-scatter with an all-reduce
+        (the shard then holds the same sum, and so does the rest of the bucket)."""
         if self.launched:
             return
         if self.buffer.grad_prescale != 1.0:
             self.grad_data.mul_(self.buffer.grad_prescale)
-        if self.buffer.reduce_scatter:
+        if self.buffer.reduce_scatter and not all_reduce:
             self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group, async_op)
         else:
             self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Union, overload
 
 import torch
 
 from ..config import DistributedDataParallelConfig
-from ..errors import StepOrderError
+from ..errors import StepOrderError, UnsupportedConfigError
 from .. import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
+from .ddp_call import parse_ddp_call
 from .layout import build_buffer_layout
 from .shard_view import LocalShard
 
@@ -26,16 +27,42 @@ SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class DistributedDataParallel(torch.nn.Module):
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        ddp_config: Optional[DistributedDataParallelConfig] = None,
-        data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-        expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-    ) -> None:
+    """Megatron-LM's data-parallel wrapper over grad buffers, for one model chunk.
+
+    Two call shapes, told apart by the type of the first argument (or by keywords):
+
+    * megatron_opt's: ``DistributedDataParallel(module, ddp_config=None, data_parallel_group=None,
+      expert_data_parallel_group=None)``; a step's gradients start scaled by 1/DP, and
+      ``train_step`` sets the step's whole normalisation.
+    * megatron-core's: ``DistributedDataParallel(config, ddp_config, module, disable_bucketing=False,
+      pg_collection=None)`` with ``config`` a TransformerConfig, as Megatron-LM's ``get_model`` calls
+      it; megatron-core's semantics: with ``config.calculate_per_token_loss`` the gradient scale
+      starts at 1.0 (``finalize_model_grads`` divides by the global token count), else at 1/DP; the
+      groups come from ``pg_collection`` (``dp_cp``, ``expt_dp``) or megatron-core's parallel_state
+      when it is initialised; ``disable_bucketing`` puts each buffer in one bucket.
+
+    ``ddp_config`` may be ours or megatron-core's DistributedDataParallelConfig (converted field by
+    field; an unsupported value raises UnsupportedConfigError naming it).
+    """
+
+    @overload
+    def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
+                 data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+                 expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None: ...
+
+    @overload
+    def __init__(self, config: Any, ddp_config: Any, module: torch.nn.Module, disable_bucketing: bool = False,
+                 pg_collection: Any = None) -> None: ...
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        call = parse_ddp_call(args, kwargs)
         super().__init__()
+        module = call.module
         self.module = module
-        self.ddp_config = ddp_config or DistributedDataParallelConfig()
+        self.config = call.transformer_config  # megatron-core's DDP carries the TransformerConfig too
+        self.ddp_config = call.ddp_config
+        self.disable_bucketing = call.disable_bucketing
+        data_parallel_group, expert_data_parallel_group = call.data_parallel_group, call.expert_data_parallel_group
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
         self._check_membership(data_parallel_group, "data_parallel_group")
@@ -54,23 +81,25 @@ class DistributedDataParallel(torch.nn.Module):
             fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
                 "requires_grad) with the same DistributedDataParallelConfig.")
         self._built_distributed = torch.distributed.is_initialized()
-        self.buffers = self._build_buffers(named)
-        self._buffer_of = {id(p): buf for buf in self.buffers for p in buf.params}
+        self._all_buffers = self._build_buffers(named)
+        self._buffer_of = {id(p): buf for buf in self._all_buffers for p in buf.params}
         self._step_id = 0  # advanced by zero_grad_buffer(): lets the optimizer tell steps apart
         self._grads_received = 0
         self._local_shards: Optional[list[LocalShard]] = None
         self._sync_enabled = True
         self._launch_cursor = 0
-        self._buckets = [b for buf in self.buffers for b in buf.buckets]
+        self._buckets = [b for buf in self._all_buffers for b in buf.buckets]
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
-        self._base_grad_scale = 1.0 / self.dp_size
+        self._base_grad_scale = 1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size
         self.grad_scale_factor = torch.full((1,), self._base_grad_scale, dtype=torch.float32, device=named[0][1].device)
+        self.force_all_reduce = False  # Megatron-LM sets it for a step whose main grads it saves whole
         self._storage = {id(p): (p.data_ptr(), p.dtype) for _, p in named}
         for _, p in named:
             p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+        self._forward_pre_hooks: list = []
         if self.ddp_config.overlap_param_gather:
-            self._register_forward_pre_hooks()
+            self.enable_forward_pre_hook()
 
     # ----------------------------------------------------------------- construction
     @staticmethod
@@ -121,6 +150,8 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size = cfg.bucket_size
         if bucket_size is None and cfg.overlap_grad_reduce:
             bucket_size = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron-LM's default
+        if self.disable_bucketing:
+            bucket_size = None  # megatron-core's disable_bucketing: one bucket per buffer
         buffers = []
         for (_, grad_dtype, is_expert), members in groups.items():
             group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
@@ -141,7 +172,16 @@ class DistributedDataParallel(torch.nn.Module):
             )
         return buffers
 
-    def _register_forward_pre_hooks(self) -> None:
+    # ----------------------------------------------------------------- forward pre-hooks (overlap_param_gather)
+    def enable_forward_pre_hook(self) -> None:
+        """Make each submodule's forward wait for the all-gather of its params' buckets (installed at
+        construction with overlap_param_gather; Megatron-LM removes them around evaluation and saves)."""
+        if not self.ddp_config.overlap_param_gather:
+            raise StepOrderError("enable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True "
+                                 "(without it the param all-gather is synchronous and there is nothing to wait for).")
+        if self._forward_pre_hooks:
+            raise StepOrderError("enable_forward_pre_hook(): the forward pre-hooks are already enabled; call "
+                                 "disable_forward_pre_hook() first.")
         for module in self.module.modules():
             buckets: dict[int, Bucket] = {}
             for p in module.parameters(recurse=False):
@@ -149,7 +189,24 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket = self._buffer_of[id(p)].bucket_of(p)
                     buckets[id(bucket)] = bucket
             if buckets:
-                module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values())))
+                self._forward_pre_hooks.append(
+                    module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values()))))
+
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; with ``param_sync`` first finish every param all-gather, so the
+        module holds the updated params without them."""
+        if not self.ddp_config.overlap_param_gather:
+            raise StepOrderError("disable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True.")
+        for handle in self._forward_pre_hooks:
+            handle.remove()
+        self._forward_pre_hooks = []
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    @property
+    def remove_forward_pre_hook_handles(self) -> list:
+        """The installed forward pre-hook handles (empty when disabled); Megatron-LM reads its length."""
+        return list(self._forward_pre_hooks)
 
     @staticmethod
     def _make_param_wait_hook(buckets: list[Bucket]):
@@ -162,7 +219,7 @@ class DistributedDataParallel(torch.nn.Module):
     def local_shards(self, expert_parallel: Optional[bool] = None) -> list[LocalShard]:
         """This rank's shard of every bucket, in buffer and bucket order (dense or expert only if asked)."""
         if self._local_shards is None:
-            self._local_shards = [self._publish(bi, buf, bucket) for bi, buf in enumerate(self.buffers)
+            self._local_shards = [self._publish(bi, buf, bucket) for bi, buf in enumerate(self._all_buffers)
                                   for bucket in buf.buckets]
         return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
 
@@ -198,10 +255,61 @@ class DistributedDataParallel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
 
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The wrapped module's checkpoint state dict (its own state_dict_for_save_checkpoint when it has
+        one, as megatron-core's modules do), without this wrapper's 'module.' prefix."""
+        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        if callable(inner):
+            return inner(prefix=prefix, keep_vars=keep_vars)
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """The wrapped module's megatron-core sharded state dict (Megatron-LM's torch_dist model checkpoint)."""
+        inner = getattr(self.module, "sharded_state_dict", None)
+        if not callable(inner):
+            raise UnsupportedConfigError(
+                f"sharded_state_dict(): the wrapped {type(self.module).__name__} has no sharded_state_dict (only "
+                f"megatron-core modules do). Save with megatron_opt.checkpoint.save, or Megatron-LM's "
+                f"--ckpt-format torch.")
+        return inner(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
+
+    def set_is_first_microbatch(self) -> None:
+        """Tell the wrapped modules a new step's first micro-batch starts (Transformer Engine refreshes
+        its fp8 weight caches on it); megatron-core's modules decide themselves whether it matters."""
+        inner = getattr(self.module, "set_is_first_microbatch", None)
+        if callable(inner):
+            inner()
+            return
+        for m in self.module.modules():
+            if hasattr(m, "is_first_microbatch"):
+                m.is_first_microbatch = True
+
+    @property
+    def buffers(self) -> list[ParamAndGradBuffer]:  # type: ignore[override]  (megatron-core's name)
+        """The dense (non-expert) param and grad buffers."""
+        return [b for b in self._all_buffers if not b.is_expert_parallel]
+
+    @property
+    def expert_parallel_buffers(self) -> list[ParamAndGradBuffer]:
+        """The expert-parallel buffers (params with ``allreduce == False``)."""
+        return [b for b in self._all_buffers if b.is_expert_parallel]
+
+    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
+        raise UnsupportedConfigError(
+            "offload_grad_buffers(): megatron_opt does not free its grad buffers between steps (the optimizer's "
+            "step plans point into them); run without Megatron-LM's grad-buffer offloading.")
+
+    def restore_grad_buffers(self, synchronize: bool = True) -> None:
+        raise UnsupportedConfigError("restore_grad_buffers(): grad-buffer offloading is not supported by megatron_opt.")
+
     # ----------------------------------------------------------------- gradients
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         grad, param.grad = param.grad, None
-        if grad is not None:
+        if getattr(param, "grad_added_to_main_grad", False):
+            # A fused weight-gradient kernel (gradient_accumulation_fusion: Transformer Engine, apex)
+            # already accumulated into main_grad; autograd's grad is a placeholder.
+            self._accumulate(param, None)
+        elif grad is not None:
             self.add_grad(param, grad)
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
@@ -210,6 +318,9 @@ class DistributedDataParallel(torch.nn.Module):
         The backward hooks call this; code that computes weight gradients outside autograd (deferred
         wgrads) must call it too, before the last micro-batch's grad sync.
         """
+        self._accumulate(param, grad)
+
+    def _accumulate(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor]) -> None:
         buf = self._buffer_of.get(id(param))
         if buf is None:
             raise ValueError("add_grad: this param is not managed by this DistributedDataParallel "
@@ -221,7 +332,8 @@ class DistributedDataParallel(torch.nn.Module):
                 f"launched for reduction, so it would be lost (rule 7 of docs/contract.md). Flush deferred weight "
                 f"gradients before finish_grad_sync(), and call zero_grad_buffer() before a new step's backward."
             )
-        param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
+        if grad is not None:
+            param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
         self._grads_received += 1
         if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
             bucket.mark_ready(param)
@@ -239,7 +351,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         if self.ddp_config.check_for_nan_in_grad:
             self._nonfinite += torch.isfinite(bucket.grad_data).logical_not_().sum()
-        bucket.start_grad_sync(async_op)
+        bucket.start_grad_sync(async_op, all_reduce=self.force_all_reduce)
         self._launch_cursor += 1  # buckets are launched strictly in order
 
     @contextlib.contextmanager
@@ -251,13 +363,25 @@ class DistributedDataParallel(torch.nn.Module):
         finally:
             self._sync_enabled = previous  # nested no_sync() blocks leave sync off until the outermost ends
 
-    def start_grad_sync(self) -> None:
+    def start_grad_sync(self, *unused: Any) -> None:
+        """Launch the reduction of every bucket not yet launched. Positional arguments (megatron-core's
+        interleaved schedules pass the chunk's params) are accepted and ignored."""
         for bucket in self._buckets[self._launch_cursor :]:
             self._launch(bucket, async_op=self.ddp_config.overlap_grad_reduce)
 
-    def finish_grad_sync(self) -> None:
-        """Launch every bucket not yet launched (unused params contribute zeros) and wait for all."""
-        self.start_grad_sync()
+    def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
+        """Launch every bucket not yet launched (unused params contribute zeros) and wait for all.
+
+        ``force_all_reduce`` (megatron-core's): all-reduce instead of reduce-scatter the buckets not
+        yet launched, so every rank's ``main_grad`` holds the whole reduced gradient (Megatron-LM
+        saves gradients that way); the optimizer reads its shard of it either way.
+        """
+        previous = self.force_all_reduce
+        self.force_all_reduce = previous or bool(force_all_reduce)
+        try:
+            self.start_grad_sync()
+        finally:
+            self.force_all_reduce = previous
         for bucket in self._buckets:
             bucket.finish_grad_sync()
         if self.ddp_config.check_for_nan_in_grad:
@@ -302,8 +426,11 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero every grad buffer, reset bucket state and the scale factor."""
         self.check_params_unchanged()
-        for buf in self.buffers:
+        for buf in self._all_buffers:
             buf.zero_grad()
+            for p in buf.params:
+                if getattr(p, "grad_added_to_main_grad", False):
+                    p.grad_added_to_main_grad = False
         self._launch_cursor = 0
         self._nonfinite.zero_()
         self.grad_scale_factor.fill_(self._base_grad_scale)
@@ -319,14 +446,16 @@ class DistributedDataParallel(torch.nn.Module):
         self.grad_scale_factor.copy_(torch.as_tensor(factor, dtype=torch.float32).reshape(1))
 
     # ----------------------------------------------------------------- params
-    def start_param_sync(self, *unused, force_sync: bool = False, expert_parallel: Optional[bool] = None) -> None:
+    def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False,
+                         expert_parallel: Optional[bool] = None) -> None:
         """All-gather updated param shards; async (waited in forward pre-hooks) with overlap_param_gather.
 
         ``expert_parallel`` limits it to the dense (False) or expert (True) buffers; positional
-        arguments are accepted and ignored, as megatron-core's schedules pass some.
+        arguments are accepted and ignored, as megatron-core's schedules pass some. ``force_dispatch``
+        (megatron-core's) changes nothing here: the all-gather is always dispatched when asked for.
         """
         async_op = self.ddp_config.overlap_param_gather and not force_sync
-        for buf in self.buffers:
+        for buf in self._all_buffers:
             if expert_parallel is not None and buf.is_expert_parallel != expert_parallel:
                 continue
             for bucket in reversed(buf.buckets):  # forward order: the first layers' bucket first
@@ -340,5 +469,5 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self) -> None:
         """Make every data-parallel rank start from rank 0's parameters."""
-        for buf in self.buffers:
+        for buf in self._all_buffers:
             collectives.broadcast(buf.param_data, 0, buf.group)

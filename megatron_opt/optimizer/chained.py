@@ -49,7 +49,7 @@ class ChainedOptimizer(MegatronOptimizer):
     def _leaves(self) -> list[ShardGroup]:
         return [c.shard_group for c in self.chained_optimizers]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, is_loading: bool = False) -> dict:
         return {"chained": [c.state_dict() for c in self.chained_optimizers]}
 
     def load_state_dict(self, state_dict: dict) -> None:

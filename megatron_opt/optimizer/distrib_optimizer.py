@@ -6,13 +6,14 @@ keeps the fp32 masters and update-rule state of those ranges, the StepDriver run
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from .. import collectives
 from ..config import OptimizerConfig
 from ..distributed.shard_view import GradSource
+from ..megatron.configs import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
 from .shard_group import ShardGroup
@@ -43,7 +44,7 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def __init__(
         self,
-        config: OptimizerConfig,
+        config: Any,
         model_chunks: Sequence[GradSource],
         param_groups: Optional[list[dict]] = None,
         grad_scaler: Optional[MegatronGradScaler] = None,
@@ -57,6 +58,7 @@ class DistributedOptimizer(MegatronOptimizer):
         for chunk in model_chunks:
             if not isinstance(chunk, GradSource):
                 raise TypeError(f"model chunks must be megatron_opt.DistributedDataParallel, got {type(chunk).__name__}.")
+        config = as_optimizer_config(config)
         self.config = config
         self.is_expert_parallel = expert_parallel
         self.model_parallel_group = model_parallel_group
@@ -101,7 +103,9 @@ class DistributedOptimizer(MegatronOptimizer):
         return int(self.shard_group.step.item())
 
     # ----------------------------------------------------------------- checkpointing (same DP size)
-    def state_dict(self) -> dict:
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """This rank's shard state (same data-parallel size only; megatron_opt.checkpoint reshards).
+        ``is_loading`` (megatron-core's: a template to load into) returns the same."""
         return {
             "format": STATE_DICT_FORMAT,
             **self.shard_group.state_dict(),

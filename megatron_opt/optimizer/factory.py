@@ -1,27 +1,32 @@
 """get_megatron_optimizer: param groups (wd_mult, lr_mult), the loss scaler, dense/expert optimizers."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .. import collectives
 from ..config import OptimizerConfig
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, UnsupportedConfigError
+from ..megatron.configs import as_optimizer_config, is_ours
 from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
 
-ParamCond = Callable[[str, torch.nn.Parameter], bool]
-
-
-def _default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
-    return name.endswith(".bias") or param.ndim == 1
 
 
 def _named_trainable(chunk: GradSource) -> list[tuple[str, torch.nn.Parameter]]:
-    """The chunk's trainable params by name, in buffer order (the same on every rank)."""
-    return [(shard.names[i], shard.params[i]) for shard in chunk.local_shards() for i in sorted(shard.params)]
+    """The chunk's trainable params by name. For a torch module: as ``named_parameters()`` gives them
+    (through the wrapper, as megatron-core's overrides see them); otherwise the buffers' own names."""
+    managed = {id(shard.params[i]): (shard.names[i], shard.params[i])
+               for shard in chunk.local_shards() for i in shard.params}
+    if isinstance(chunk, torch.nn.Module):
+        named = [(n, p) for n, p in chunk.named_parameters() if id(p) in managed]
+        if len(named) == len(managed):
+            return named
+    return list(managed.values())
 
 
 def get_param_groups(
@@ -30,38 +35,25 @@ def get_param_groups(
     no_weight_decay_cond: Optional[ParamCond] = None,
     scale_lr_cond: Optional[ParamCond] = None,
     lr_mult: float = 1.0,
+    config_overrides: Optional[Mapping[Any, Mapping]] = None,
 ) -> list[dict]:
-    """Groups keyed by (wd_mult, lr_mult, is_expert_parallel), in a fixed order on every rank.
+    """Param groups with megatron-core's semantics (see optimizer/param_groups.py), the same on every rank.
 
-    Biases and 1-D params get wd_mult 0. Params selected by ``scale_lr_cond`` get ``lr_mult`` and
-    per-group max_lr / min_lr, which the scheduler honours (Megatron-LM's convention).
+    ``config_overrides`` ({megatron-core ParamKey: ParamGroupOverride}) works as in megatron-core;
+    without it, megatron-core's standard overrides apply (no weight decay on biases and 1-D params,
+    ``decoupled_lr`` for embedding and output params), with megatron_opt's keywords on top:
+    ``no_weight_decay_cond(name, param)`` replaces the weight-decay rule, ``scale_lr_cond`` selects
+    params for ``lr_mult`` (and max / min lr scaled by it). The two styles cannot be mixed.
     """
-    no_wd = no_weight_decay_cond or _default_no_weight_decay
-    keyed: dict[tuple, list] = {}
-    for chunk in model_chunks:
-        for name, p in _named_trainable(chunk):
-            key = (
-                0.0 if no_wd(name, p) else 1.0,
-                lr_mult if (scale_lr_cond is not None and scale_lr_cond(name, p)) else 1.0,
-                not getattr(p, "allreduce", True),
-            )
-            keyed.setdefault(key, []).append(p)
-    min_lr = config.min_lr if config.min_lr is not None else 0.0
-    groups = []
-    for (wd_mult, group_lr_mult, is_expert) in sorted(keyed):
-        groups.append({
-            "params": keyed[(wd_mult, group_lr_mult, is_expert)],
-            "wd_mult": wd_mult,
-            "lr_mult": group_lr_mult,
-            "is_expert_parallel": is_expert,
-            "is_decoupled_lr": False,
-            "default_config": group_lr_mult == 1.0,
-            "max_lr": config.lr * group_lr_mult,
-            "min_lr": min_lr * group_lr_mult,
-            "lr": config.lr * group_lr_mult,
-            "weight_decay": config.weight_decay * wd_mult,
-        })
-    return groups
+    if config_overrides is not None and (no_weight_decay_cond is not None or scale_lr_cond is not None):
+        raise ValueError("get_param_groups: pass either config_overrides (megatron-core's) or no_weight_decay_cond / "
+                         "scale_lr_cond (megatron_opt's), not both; express the conditions as ParamKey overrides.")
+    if config_overrides is not None:
+        rules = megatron_core_overrides(config, config_overrides)
+    else:
+        rules = legacy_overrides(config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+    named = [item for chunk in model_chunks for item in _named_trainable(chunk)]
+    return build_param_groups(named, config, rules)
 
 
 def build_grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional[MegatronGradScaler]:
@@ -82,8 +74,13 @@ def build_grad_scaler(config: OptimizerConfig, device: torch.device) -> Optional
 
 
 def get_megatron_optimizer(
-    config: OptimizerConfig,
+    config: Any,
     model_chunks: Union[GradSource, Sequence[GradSource]],
+    config_overrides: Optional[Mapping[Any, Mapping]] = None,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    dump_param_to_param_group_map: Optional[str] = None,
+    *,
     no_weight_decay_cond: Optional[ParamCond] = None,
     scale_lr_cond: Optional[ParamCond] = None,
     lr_mult: float = 1.0,
@@ -91,8 +88,21 @@ def get_megatron_optimizer(
     tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     grad_stats_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> Union[DistributedOptimizer, ChainedOptimizer]:
-    """A DistributedOptimizer over the dense buffers; a ChainedOptimizer (dense + expert) when
-    expert-parallel params (``param.allreduce == False``) exist."""
+    """The optimizer over ``model_chunks``' grad buffers, with megatron-core's call shape.
+
+    ``config`` is megatron_opt's or megatron-core's OptimizerConfig (converted field by field).
+    ``config_overrides`` has megatron-core's semantics (see get_param_groups); ``use_gloo_process_groups``
+    changes nothing (megatron_opt reduces over the data-parallel group it was given, whatever its
+    backend); ``pg_collection`` may only describe data parallelism; ``dump_param_to_param_group_map``
+    saves {param name: group index} with torch.distributed.checkpoint, as megatron-core does.
+
+    Returns a DistributedOptimizer, or a ChainedOptimizer of dense and expert children when
+    expert-parallel params (``param.allreduce == False``) exist. Called as Megatron-LM calls it (a
+    megatron-core OptimizerConfig, or chunks built with megatron-core's DDP call shape), it returns a
+    ChainedOptimizer in every case, as megatron-core does.
+    """
+    megatron_core_call = not is_ours(config)
+    config = as_optimizer_config(config)
     single = isinstance(model_chunks, (GradSource, torch.nn.Module))
     chunks = [model_chunks] if single else list(model_chunks)
     for chunk in chunks:
@@ -105,14 +115,37 @@ def get_megatron_optimizer(
                 f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
                 f"{chunk.ddp_config.use_distributed_optimizer}; set both the same."
             )
-    groups = get_param_groups(chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        megatron_core_call = megatron_core_call or getattr(chunk, "config", None) is not None
+    _check_pg_collection(pg_collection)
+    groups = get_param_groups(chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult, config_overrides)
+    if dump_param_to_param_group_map is not None:
+        _dump_param_groups(chunks, groups, dump_param_to_param_group_map)
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     dense_groups = [g for g in groups if not g["is_expert_parallel"]]
     expert_groups = [g for g in groups if g["is_expert_parallel"]]
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    dense = DistributedOptimizer(config, chunks, dense_groups, scaler, expert_parallel=False, **common)
-    if not expert_groups:
-        return dense
-    expert = DistributedOptimizer(config, chunks, expert_groups, scaler, expert_parallel=True, **common)
-    return ChainedOptimizer([dense, expert], grad_stats_group=grad_stats_group)
+    children = [DistributedOptimizer(config, chunks, dense_groups, scaler, expert_parallel=False, **common)]
+    if expert_groups:
+        children.append(DistributedOptimizer(config, chunks, expert_groups, scaler, expert_parallel=True, **common))
+    if len(children) == 1 and not megatron_core_call:
+        return children[0]
+    return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
+
+
+def _check_pg_collection(pg_collection: Any) -> None:
+    for name in ("tp", "pp", "cp", "ep", "mp"):
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is not None and collectives.world_size(group) > 1:
+            raise UnsupportedConfigError(
+                f"get_megatron_optimizer: pg_collection.{name} spans {collectives.world_size(group)} ranks; megatron_opt "
+                f"implements data parallelism only (model-parallel groups must have size 1).")
+
+
+def _dump_param_groups(chunks: Sequence[GradSource], groups: list[dict], path: str) -> None:
+    """megatron-core's dump_param_to_param_group_map: {param name: group index}, saved with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    names = {id(p): n for chunk in chunks for n, p in _named_trainable(chunk)}
+    mapping = {names[id(p)]: index for index, g in enumerate(groups) for p in g["params"]}
+    dcp.save(mapping, checkpoint_id=path)

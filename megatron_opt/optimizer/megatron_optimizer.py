@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import StepOrderError
+from ..errors import StepOrderError, UnsupportedConfigError
 from .grad_scaler import MegatronGradScaler
 from .shard_group import PieceState, ShardGroup
 from .step_driver import SkipReason, StepDriver, StepState
@@ -167,10 +167,56 @@ class MegatronOptimizer:
         for leaf in self._leaves():
             leaf.sync_params_from_masters()
 
-    def reload_model_params(self) -> None:
-        """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters."""
+    def reload_model_params(self, state_dict: Optional[dict] = None) -> None:
+        """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters.
+
+        Megatron-LM's ``state_dict`` form (masters taken from a checkpoint's model state,
+        ``--load-main-params-from-ckpt``) is not supported: megatron_opt.checkpoint restores masters.
+        """
+        if state_dict is not None:
+            raise UnsupportedConfigError(
+                "reload_model_params(state_dict=...): loading fp32 masters from a model state dict is not supported; "
+                "restore masters with megatron_opt.checkpoint.load (or drop --load-main-params-from-ckpt).")
         for leaf in self._leaves():
             leaf.reload_model_params()
+
+    # ----------------------------------------------------------------- members Megatron-LM's training loop reads
+    is_stub_optimizer = False  # megatron-core's placeholder optimizer for ranks without params; never us
+
+    def get_grad_stats_parallel_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The group the gradient statistics (norm, zeros) are summed over; None is the default group."""
+        groups = self._driver.stats_groups
+        real = [g for g in groups if g is not None]
+        if len(groups) > 1 and len(real) > 1:
+            raise StepOrderError("get_grad_stats_parallel_group(): this optimizer sums its statistics over several "
+                                 "groups (data- and model-parallel), so no single group describes it.")
+        return real[0] if real else None
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Nothing to prepare: pass 2 writes the rounded params straight into the param buffer."""
+
+    def sharded_state_dict(self, model_sharded_state_dict: Optional[dict] = None, is_loading: bool = False,
+                           **kwargs: Any) -> dict:
+        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="sharded_state_dict() (--ckpt-format torch_dist)"))
+
+    def save_parameter_state(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="save_parameter_state()"))
+
+    def load_parameter_state(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="load_parameter_state()"))
+
+    def save_state_dict_to_file(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="save_state_dict_to_file()"))
+
+    def load_state_dict_from_file(self, *args: Any, **kwargs: Any) -> None:
+        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="load_state_dict_from_file()"))
+
+
+_MEGATRON_CHECKPOINT_HINT = (
+    "{what}: Megatron-LM's optimizer checkpoint formats are not supported by megatron_opt. Save and load with "
+    "megatron_opt.checkpoint.save(path, ...) / load(path, ...) (torch.distributed.checkpoint, loadable at any "
+    "data-parallel size; see docs/checkpoints.md and docs/megatron.md), and run Megatron-LM with --no-save-optim "
+    "--no-load-optim for its own checkpoints.")
 
 
 __all__ = ["MegatronOptimizer"]

@@ -1,0 +1,1 @@
+"""Megatron-LM integration: megatron-core's config objects and call shapes, and ``install()``."""
