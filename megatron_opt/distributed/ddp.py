@@ -97,7 +97,7 @@ class DistributedDataParallel(torch.nn.Module):
         for _, p in named:
             p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
             p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
-        self._forward_pre_hooks: list = []
+        self._param_wait_hooks: list = []
         if self.ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
 
@@ -179,7 +179,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not self.ddp_config.overlap_param_gather:
             raise StepOrderError("enable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True "
                                  "(without it the param all-gather is synchronous and there is nothing to wait for).")
-        if self._forward_pre_hooks:
+        if self._param_wait_hooks:
             raise StepOrderError("enable_forward_pre_hook(): the forward pre-hooks are already enabled; call "
                                  "disable_forward_pre_hook() first.")
         for module in self.module.modules():
@@ -189,7 +189,7 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket = self._buffer_of[id(p)].bucket_of(p)
                     buckets[id(bucket)] = bucket
             if buckets:
-                self._forward_pre_hooks.append(
+                self._param_wait_hooks.append(
                     module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values()))))
 
     def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
@@ -197,16 +197,16 @@ class DistributedDataParallel(torch.nn.Module):
         module holds the updated params without them."""
         if not self.ddp_config.overlap_param_gather:
             raise StepOrderError("disable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True.")
-        for handle in self._forward_pre_hooks:
+        for handle in self._param_wait_hooks:
             handle.remove()
-        self._forward_pre_hooks = []
+        self._param_wait_hooks = []
         if param_sync:
             self.start_param_sync(force_sync=True)
 
     @property
     def remove_forward_pre_hook_handles(self) -> list:
         """The installed forward pre-hook handles (empty when disabled); Megatron-LM reads its length."""
-        return list(self._forward_pre_hooks)
+        return list(self._param_wait_hooks)
 
     @staticmethod
     def _make_param_wait_hook(buckets: list[Bucket]):

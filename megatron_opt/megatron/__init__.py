@@ -1,1 +1,78 @@
-"""Megatron-LM integration: megatron-core's config objects and call shapes, and ``install()``."""
+"""Megatron-LM integration: megatron-core's config objects and call shapes, and ``install()``.
+
+``install()`` switches a Megatron-LM script over to megatron_opt in one line::
+
+    import megatron_opt.megatron; megatron_opt.megatron.install()
+
+It replaces megatron-core's ``DistributedDataParallel`` and ``get_megatron_optimizer`` with
+megatron_opt's, in megatron-core's own modules and wherever a module already imported them by name
+(Megatron-LM's ``megatron/training/training.py`` does ``from megatron.core.distributed import
+DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). Call it
+before Megatron-LM imports its training modules, or after: both are covered. ``uninstall()``
+restores megatron-core's objects.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+_replaced: list[tuple[Any, str, Any]] = []  # (namespace, attribute, original value), in patch order
+
+
+def _targets() -> dict[int, Any]:
+    """id(megatron-core object) -> megatron_opt's replacement."""
+    import megatron.core.distributed as core_distributed
+    import megatron.core.distributed.distributed_data_parallel as core_ddp
+    import megatron.core.optimizer as core_optimizer
+
+    from ..distributed.ddp import DistributedDataParallel
+    from ..optimizer.factory import get_megatron_optimizer
+
+    pairs = {
+        id(core_ddp.DistributedDataParallel): DistributedDataParallel,
+        id(core_distributed.DistributedDataParallel): DistributedDataParallel,
+        id(core_optimizer.get_megatron_optimizer): get_megatron_optimizer,
+    }
+    return pairs
+
+
+def _patch(namespace: Any, name: str, value: Any) -> None:
+    _replaced.append((namespace, name, getattr(namespace, name)))
+    setattr(namespace, name, value)
+
+
+def install() -> None:
+    """Make megatron-core's names resolve to megatron_opt's DistributedDataParallel and
+    get_megatron_optimizer (idempotent). Needs megatron-core to be importable."""
+    if _replaced:
+        return
+    try:
+        targets = _targets()
+    except ImportError as exc:
+        raise ImportError(f"megatron_opt.megatron.install() needs megatron-core (pip install megatron-core): {exc}") from exc
+    from ..distributed.ddp import DistributedDataParallel
+
+    core_ddp_classes = {k for k, v in targets.items() if v is DistributedDataParallel}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("megatron") or module_name.startswith("megatron_opt"):
+            continue
+        for name, value in list(vars(module).items()):
+            if id(value) in targets:
+                _patch(module, name, targets[id(value)])
+            elif isinstance(value, tuple) and value and any(id(v) in core_ddp_classes for v in value):
+                # A tuple of wrapper classes (unwrap_model's): ours is a wrapper too.
+                _patch(module, name, value + (DistributedDataParallel,))
+
+
+def uninstall() -> None:
+    """Undo install(): megatron-core's objects are back wherever install() replaced them."""
+    while _replaced:
+        namespace, name, original = _replaced.pop()
+        setattr(namespace, name, original)
+
+
+def is_installed() -> bool:
+    return bool(_replaced)
+
+
+__all__ = ["install", "uninstall", "is_installed"]
