@@ -227,3 +227,89 @@ def run_installed_equals_direct(steps: int = 2, ga: int = 2, mb: int = 2) -> boo
         finally:
             megatron_opt.megatron.uninstall()
     return bool(torch.equal(results[0], results[1]))
+
+
+# ----------------------------------------------------------------------------- param groups vs megatron-core
+def _override_sets(kind: str):
+    from megatron.core.optimizer import ParamKey
+
+    if kind == "standard":
+        return None
+    if kind == "empty":
+        return {}
+    if kind == "custom":  # lr multiplier for the output layer, another min_lr and wd_mult for layer 1
+        return {ParamKey(name="*output_layer.weight"): {"lr_mult": 2.0, "max_lr": 2 * LR},
+                ParamKey(name="*layers.1.*weight"): {"min_lr": 1e-5, "wd_mult": 0.5},
+                ParamKey(name="*.bias"): {"wd_mult": 0.0}}
+    raise ValueError(kind)
+
+
+def run_param_groups_match_megatron_core(kind: str, decoupled: bool) -> list:
+    """Our groups and megatron-core's _get_param_groups for the same GPTModel, chunks and overrides."""
+    from megatron.core.optimizer import _get_param_groups
+
+    mcore_cpu.init_parallel_state()
+    config = mcore_cpu.transformer_config(True)
+    model = mcore_cpu.build_gpt(config)
+    ddp = mo.DistributedDataParallel(config=config, ddp_config=CoreDDPConfig(use_distributed_optimizer=True), module=model)
+    opt_config = CoreOptimizerConfig(lr=LR, min_lr=MIN_LR, weight_decay=WD, use_distributed_optimizer=True,
+                                     decoupled_lr=5 * LR if decoupled else None,
+                                     decoupled_min_lr=LR / 10 if decoupled else None)
+    names = {id(p): n for n, p in ddp.named_parameters()}
+    ours = mo.get_param_groups([ddp], mo.megatron.configs.as_optimizer_config(opt_config),
+                               config_overrides=_override_sets(kind))
+    theirs = _get_param_groups([ddp], opt_config, _override_sets(kind))
+
+    def describe(groups):
+        keys = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")
+        return [({k: g.get(k) for k in keys}, sorted(names[id(p)] for p in g["params"])) for g in groups]
+
+    return [describe(ours), describe(theirs)]
+
+
+def run_force_all_reduce() -> dict:
+    """finish_grad_sync(force_all_reduce=True): every rank's main_grad holds the whole reduced gradient,
+    and the optimizer's step is the same as with the reduce-scatter."""
+    from common import TinyLM, global_batch, rank_microbatches, token_loss_sum
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for force in (False, True):
+        model = TinyLM()
+        ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+        opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), ddp)
+        ddp.zero_grad_buffer()
+        for x, y in rank_microbatches(global_batch(world), rank, world):
+            token_loss_sum(model(x), y)[0].backward()
+        ddp.finish_grad_sync(force_all_reduce=force)
+        out[f"grads_{force}"] = torch.cat([b.grad_data.clone() for b in ddp.buffers])
+        opt.step()
+        out[f"params_{force}"] = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    full = out["grads_True"].clone()
+    dist.all_reduce(full, op=dist.ReduceOp.MAX)
+    low = out["grads_True"].clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    return {"identical_across_ranks": bool(torch.equal(full, low)),
+            "differs_from_reduce_scatter": not torch.equal(out["grads_False"], out["grads_True"]),
+            "same_step": bool(torch.equal(out["params_False"], out["params_True"]))}
+
+
+def run_dump_param_to_param_group_map(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    mcore_cpu.init_parallel_state()
+    config = mcore_cpu.transformer_config(True)
+    model = mcore_cpu.build_gpt(config)
+    ddp = mo.DistributedDataParallel(config, CoreDDPConfig(use_distributed_optimizer=True), model)
+    opt = mo.get_megatron_optimizer(CoreOptimizerConfig(lr=LR, use_distributed_optimizer=True), [ddp],
+                                    dump_param_to_param_group_map=path)
+    expected = {}
+    for index, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            expected[index] = expected.get(index, 0) + 1
+    loaded = {n: -1 for n, _ in ddp.named_parameters()}
+    dcp.load(loaded, checkpoint_id=path)
+    counts: dict = {}
+    for index in loaded.values():
+        counts[index] = counts.get(index, 0) + 1
+    return {"counts": counts, "expected": expected}

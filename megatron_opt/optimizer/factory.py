@@ -17,12 +17,13 @@ from .param_groups import ParamCond, build_param_groups, legacy_overrides, megat
 
 
 
-def _named_trainable(chunk: GradSource) -> list[tuple[str, torch.nn.Parameter]]:
-    """The chunk's trainable params by name. For a torch module: as ``named_parameters()`` gives them
-    (through the wrapper, as megatron-core's overrides see them); otherwise the buffers' own names."""
+def _named_trainable(chunk: GradSource, wrapper_names: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    """The chunk's trainable params by name: the buffers' own names (the wrapped module's, which
+    megatron_opt's conditions see), or with ``wrapper_names`` as the chunk's ``named_parameters()``
+    gives them (through the wrapper, as megatron-core's ParamKeys see them)."""
     managed = {id(shard.params[i]): (shard.names[i], shard.params[i])
                for shard in chunk.local_shards() for i in shard.params}
-    if isinstance(chunk, torch.nn.Module):
+    if wrapper_names and isinstance(chunk, torch.nn.Module):
         named = [(n, p) for n, p in chunk.named_parameters() if id(p) in managed]
         if len(named) == len(managed):
             return named
@@ -52,7 +53,7 @@ def get_param_groups(
         rules = megatron_core_overrides(config, config_overrides)
     else:
         rules = legacy_overrides(config, no_weight_decay_cond, scale_lr_cond, lr_mult)
-    named = [item for chunk in model_chunks for item in _named_trainable(chunk)]
+    named = [item for chunk in model_chunks for item in _named_trainable(chunk, config_overrides is not None)]
     return build_param_groups(named, config, rules)
 
 
@@ -146,6 +147,6 @@ def _dump_param_groups(chunks: Sequence[GradSource], groups: list[dict], path: s
     """megatron-core's dump_param_to_param_group_map: {param name: group index}, saved with DCP."""
     import torch.distributed.checkpoint as dcp
 
-    names = {id(p): n for chunk in chunks for n, p in _named_trainable(chunk)}
+    names = {id(p): n for chunk in chunks for n, p in _named_trainable(chunk, wrapper_names=True)}
     mapping = {names[id(p)]: index for index, g in enumerate(groups) for p in g["params"]}
     dcp.save(mapping, checkpoint_id=path)
