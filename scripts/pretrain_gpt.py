@@ -266,9 +266,7 @@ UNSUPPORTED_REASONS: list[tuple[tuple[str, ...], str]] = [
       "--masked-softmax-fusion", "--no-masked-softmax-fusion", "--no-bias-", "--no-rope-fusion",
       "--use-flash-attn", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
       "--no-position-embedding", "--embedding-", "--output-logit-dtype", "--fp16-lm-cross-entropy"),
-     "the model is this script's own GPT (learned absolute positions, LayerNorm, GELU MLP, multi-head attention, "
-     "no dropout); its size flags are --num-layers, --hidden-size, --ffn-hidden-size, --num-attention-heads, "
-     "--seq-length, --max-position-embeddings, --init-method-std, --untie-embeddings-and-output-weights"),
+     "the model is this script's own GPT (learned positions, LayerNorm, GELU MLP, multi-head attention, no dropout)"),
     (("--eval-", "--skip-train", "--test-mode", "--full-validation", "--multiple-validation-sets"),
      "evaluation is not implemented"),
     (("--decoupled-lr", "--decoupled-min-lr"), "decoupled learning rates for the embedding and output layer "
@@ -300,8 +298,8 @@ def _unsupported_reason(flag: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM's flags (megatron/training/arguments.py), with Megatron-LM's defaults except DEMO_DEFAULTS."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="pretrain_gpt.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     d = DEMO_DEFAULTS
     model = p.add_argument_group("model (Megatron-LM's GPT flags)")
     model.add_argument("--num-layers", "--layers", dest="num_layers", type=int, default=d["num_layers"])

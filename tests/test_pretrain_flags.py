@@ -1,0 +1,529 @@
+"""scripts/pretrain_gpt.py speaks Megatron-LM's flags: a Megatron-LM launch script's optimizer, schedule,
+precision, batch, logging and checkpoint block runs with only the entry point changed.
+
+* The blocks of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh and
+  examples/gpt3/train_gpt3_175b_distributed.sh, scaled down to a tiny model, run a few steps on CPU at
+  DP=2 (torchrun), and the per-step values they log follow the schedule the flags describe.
+* Each flag maps to the right field of megatron_opt's configs (build_configs), with Megatron-LM's
+  defaults; the old flags are aliases.
+* The flags the script does not implement are named together in one error (exit code 2) before any
+  process group exists; values that are no-ops here (--tensor-model-parallel-size 1) are accepted.
+* The number of micro-batches is global batch / (micro batch x data-parallel size), or an error.
+* --tensorboard-dir writes Megatron-LM's scalar names (when tensorboard is installed) or says
+  `pip install tensorboard` (when it is not).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_opt as mo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+RUN_TIMEOUT_S = 240
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_flags_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pretrain_gpt = _load_script()
+
+
+def _has_tensorboard() -> bool:
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+        return True
+    except ImportError:
+        return False
+
+
+HAS_TENSORBOARD = _has_tensorboard()
+
+# examples/llama/train_llama3_8b_h100_fp8.sh, its blocks with the flag names and values kept, sizes scaled
+# down (8B model -> 2 layers of 32; 1.95e9 samples -> 40; global batch 128 -> 4) and the paths made
+# temporary. Its flags for features the script does not have are in LLAMA_UNSUPPORTED below.
+LLAMA_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+               "--init-method-std", "0.0134", "--untie-embeddings-and-output-weights"]
+LLAMA_TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "40",
+                  "--lr-decay-samples", "36", "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
+                  "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+                  "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--calculate-per-token-loss"]
+LLAMA_PARALLEL = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
+LLAMA_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+LLAMA_LOGGING = ["--log-interval", "1", "--save-interval", "5", "--log-throughput", "--ckpt-format", "torch_dist",
+                 "--distributed-timeout-minutes", "60"]  # + --save, --load, --tensorboard-dir
+LLAMA_UNSUPPORTED = [
+    ["--use-mcore-models"], ["--group-query-attention"], ["--num-query-groups", "8"], ["--kv-channels", "128"],
+    ["--position-embedding-type", "rope"], ["--rotary-base", "1000000"], ["--swiglu"],
+    ["--normalization", "RMSNorm"], ["--attention-backend", "fused"], ["--apply-layernorm-1p"],
+    ["--disable-bias-linear"], ["--decoupled-lr", "5.0e-4"], ["--decoupled-min-lr", "4.5e-5"],
+    ["--cross-entropy-loss-fusion"], ["--manual-gc"], ["--empty-unused-memory-level", "1"],
+    ["--exit-duration-in-mins", "235"], ["--fp8-format", "hybrid"], ["--fp8-amax-history-len", "1024"],
+    ["--fp8-amax-compute-algo", "max"], ["--fp8-param-gather"], ["--mock-data"],
+    ["--tokenizer-type", "NullTokenizer"], ["--vocab-size", "128256"], ["--data-cache-path", "/tmp/cache"],
+    ["--tiktoken-pattern", "v2"], ["--split", "99,1,0"], ["--no-create-attention-mask-in-dataloader"],
+    ["--no-mmap-bin-files"], ["--num-workers", "1"], ["--eval-iters", "32"], ["--eval-interval", "100"],
+    ["--profile"], ["--profile-step-start", "4"], ["--profile-step-end", "6"],
+]
+
+# examples/gpt3/train_gpt3_175b_distributed.sh, scaled the same way (175B -> 2 layers of 32; 500000
+# iterations -> 6; decay 430000 -> 5; global batch 1536 -> 4), --fp16 with --initial-loss-scale 4096
+# added (Megatron-LM's default 2**32 spends the first ~30 iterations backing off, longer than this run).
+GPT3_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+              "--max-position-embeddings", "32", "--attention-backend", "auto"]
+GPT3_TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "6", "--weight-decay", "0.1",
+                 "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0",
+                 "--fp16", "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+                 "--lr-warmup-fraction", ".001", "--lr-decay-iters", "5", "--initial-loss-scale", "4096"]
+GPT3_PARALLEL = ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1"]
+GPT3_LOGGING = ["--log-interval", "2", "--save-interval", "3"]  # + --save, --load, --tensorboard-dir
+
+
+def _torchrun(world: int, args: list[str]) -> subprocess.CompletedProcess:
+    out = subprocess.run([*TORCHRUN, f"--nproc_per_node={world}", SCRIPT, *args], capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    return out
+
+
+def _read_json_log(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _parse(monkeypatch, flags: list[str], world: int = 2):
+    """parse_args as under torchrun with ``world`` ranks, and the configs at that data-parallel size."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    args = pretrain_gpt.parse_args(flags)
+    return args, pretrain_gpt.build_configs(args, world)
+
+
+def _expected_lrs(run, records: list[dict]) -> list[float]:
+    """The lr after each logged step, by megatron_opt's scheduler advanced by the global batch per update."""
+    group = {"params": [], "wd_mult": 1.0}
+    holder = type("Groups", (), {"param_groups": [group]})()
+    sched = mo.OptimizerParamScheduler(holder, **run.scheduler_kwargs)
+    lrs = []
+    for record in records:
+        if record["success"]:
+            sched.step(run.global_batch_size)
+        lrs.append(group["lr"])
+    return lrs
+
+
+# ----------------------------------------------------------------------------- the launch-script blocks run
+@pytest.mark.timeout(600)
+def test_llama3_launch_block_runs_at_dp2(tmp_path, monkeypatch):
+    ckpt, tb, log = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "log.jsonl"
+    flags = [*LLAMA_MODEL, *LLAMA_TRAINING, *LLAMA_PARALLEL, *LLAMA_DDP, *LLAMA_LOGGING, "--save", str(ckpt),
+             "--load", str(ckpt), "--log-json", str(log), "--log-num-zeros-in-grad"]
+    if HAS_TENSORBOARD:
+        flags += ["--tensorboard-dir", str(tb), "--log-timers-to-tensorboard"]
+    out = _torchrun(2, flags)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert ("distributed optimizer, loss mode=per_token, global batch 4 = 1 x 2 micro-batches x DP 2, "
+            "10 iterations") in out.stdout, out.stdout
+    records = _read_json_log(log)
+    # --train-samples 40 at a global batch of 4: 10 iterations; the clock counts samples.
+    assert [r["iteration"] for r in records] == list(range(1, 11))
+    assert [r["consumed_samples"] for r in records] == [4 * i for i in range(1, 11)]
+    assert all(r["success"] and r["loss_scale"] == 1.0 and r["num_zeros"] is not None for r in records)
+    _, run = _parse(monkeypatch, [*LLAMA_MODEL, *LLAMA_TRAINING, *LLAMA_DDP])
+    assert [r["learning_rate"] for r in records] == _expected_lrs(run, records)
+    # warmup over 8 samples (2 iterations), cosine decay to --min-lr at 36 samples (iteration 9)
+    assert records[1]["learning_rate"] == 0.00015 and records[8]["learning_rate"] == 0.00001
+    assert mo.checkpoint.latest_iteration(ckpt) == 10 and sorted(p.name for p in ckpt.glob("iter_*")) == [
+        "iter_0000005", "iter_0000010"]
+    for line in ("step    1 | loss ", "| num zeros ", "| TFLOP/s/rank "):
+        assert line in out.stdout, out.stdout
+    if HAS_TENSORBOARD:
+        _check_tensorboard(tb, records, run)
+
+    # the same command again resumes from --load (at iteration 10 of 10: nothing left to train)
+    out = _torchrun(2, flags)
+    assert out.returncode == 0 and "resumed from iteration 10 (saved at DP=2, now DP=2)" in out.stdout, out.stdout
+
+
+def _check_tensorboard(tb_dir, records: list[dict], run) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("lm loss", "lm loss vs samples", "learning-rate", "learning-rate vs samples", "grad-norm",
+                "grad-norm vs samples", "loss-scale", "loss-scale vs samples", "batch-size", "num-zeros",
+                "iteration-time", "throughput"):
+        assert tag in tags, (tag, sorted(tags))
+    assert "skipped-train-samples" not in tags  # written only once an iteration was skipped (none here)
+
+    def values(tag):
+        return {e.step: e.value for e in acc.Scalars(tag)}
+
+    as_f32 = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731  (tensorboard stores float32)
+    assert values("lm loss") == {r["iteration"]: as_f32(r["lm loss"]) for r in records}
+    assert values("lm loss vs samples") == {r["consumed_samples"]: as_f32(r["lm loss"]) for r in records}
+    assert values("learning-rate") == {r["iteration"]: as_f32(r["learning_rate"]) for r in records}
+    assert values("grad-norm") == {r["iteration"]: as_f32(r["grad_norm"]) for r in records}
+    assert values("num-zeros") == {r["iteration"]: as_f32(r["num_zeros"]) for r in records}
+    assert values("batch-size") == {r["iteration"]: float(run.global_batch_size) for r in records}
+
+
+@pytest.mark.timeout(600)
+def test_gpt3_175b_launch_block_runs_at_dp2(tmp_path, monkeypatch):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    flags = [*GPT3_MODEL, *GPT3_TRAINING, *GPT3_PARALLEL, *GPT3_LOGGING, "--save", str(ckpt), "--load", str(ckpt),
+             "--log-json", str(log)]
+    out = _torchrun(2, flags)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "non-distributed optimizer, loss mode=mean, global batch 4 = 1 x 2 micro-batches x DP 2" in out.stdout
+    records = _read_json_log(log)
+    assert [r["iteration"] for r in records] == list(range(1, 7))
+    _, run = _parse(monkeypatch, [*GPT3_MODEL, *GPT3_TRAINING])
+    assert [r["learning_rate"] for r in records] == _expected_lrs(run, records)
+    assert records[-1]["learning_rate"] == 6.0e-6  # past --lr-decay-iters 5: --min-lr
+    # fp16 with the dynamic loss scaler: the scale only halves on overflow, grows after 1000 clean steps
+    assert all(r["loss_scale"] <= 4096 for r in records) and any(r["success"] for r in records)
+    # --log-interval 2: lines at iterations 2, 4, 6 only
+    assert [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("step ")] == [2, 4, 6]
+    assert mo.checkpoint.latest_iteration(ckpt) == 6 and sorted(p.name for p in ckpt.glob("iter_*")) == [
+        "iter_0000003", "iter_0000006"]
+
+
+# ----------------------------------------------------------------------------- each flag's mapping
+def _get(run, path: str):
+    obj = run
+    for part in path.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj
+
+
+# (flags, {path in build_configs' RunConfig or "args.<dest>": expected value}), at DP=2
+MAPPINGS = [
+    (["--micro-batch-size", "3", "--global-batch-size", "24"],
+     {"micro_batch_size": 3, "global_batch_size": 24, "num_microbatches": 4}),
+    (["--micro-batch-size", "3"], {"global_batch_size": 6, "num_microbatches": 1}),  # Megatron: mbs x DP
+    (["--micro-batch-size", "2", "--num-microbatches", "3"], {"global_batch_size": 12, "num_microbatches": 3}),
+    (["--train-iters", "7", "--global-batch-size", "8"],
+     {"train_iters": 7, "scheduler_kwargs.lr_decay_steps": 56, "scheduler_kwargs.wd_incr_steps": 56,
+      "scheduler_kwargs.lr_warmup_steps": 40}),  # the demo's 5 warm-up iterations
+    (["--train-samples", "100", "--global-batch-size", "8"],
+     {"train_iters": 12, "scheduler_kwargs.lr_decay_steps": 100, "scheduler_kwargs.wd_incr_steps": 100,
+      "scheduler_kwargs.lr_warmup_steps": 0}),
+    (["--train-iters", "10", "--lr-decay-iters", "6", "--lr-warmup-iters", "2", "--global-batch-size", "8"],
+     {"scheduler_kwargs.lr_decay_steps": 48, "scheduler_kwargs.lr_warmup_steps": 16,
+      "scheduler_kwargs.wd_incr_steps": 80}),
+    (["--train-samples", "100", "--lr-decay-samples", "90", "--lr-warmup-samples", "12"],
+     {"scheduler_kwargs.lr_decay_steps": 90, "scheduler_kwargs.lr_warmup_steps": 12}),
+    (["--train-iters", "10", "--lr-warmup-fraction", "0.25", "--global-batch-size", "8"],
+     {"scheduler_kwargs.lr_warmup_steps": 20.0, "scheduler_kwargs.lr_decay_steps": 80}),
+    (["--train-samples", "100", "--lr-decay-samples", "80", "--lr-warmup-fraction", "0.1"],
+     {"scheduler_kwargs.lr_warmup_steps": 8.0}),
+    (["--lr", "2e-4"], {"optimizer_config.lr": 2e-4, "scheduler_kwargs.max_lr": 2e-4}),
+    (["--min-lr", "1e-5"], {"optimizer_config.min_lr": 1e-5, "scheduler_kwargs.min_lr": 1e-5}),
+    (["--lr-warmup-init", "1e-4"], {"scheduler_kwargs.init_lr": 1e-4}),
+    (["--lr-decay-style", "cosine"], {"scheduler_kwargs.lr_decay_style": "cosine"}),
+    (["--lr-decay-style", "inverse-square-root"], {"scheduler_kwargs.lr_decay_style": "inverse-square-root"}),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "linear",
+      "--global-batch-size", "8"],
+     {"scheduler_kwargs.wsd_decay_steps": 32, "scheduler_kwargs.lr_wsd_decay_style": "linear"}),
+    (["--clip-grad", "0.5"], {"optimizer_config.clip_grad": 0.5}),
+    (["--weight-decay", "0.2"], {"optimizer_config.weight_decay": 0.2, "scheduler_kwargs.start_wd": 0.2,
+                                 "scheduler_kwargs.end_wd": 0.2, "scheduler_kwargs.wd_incr_style": "constant"}),
+    (["--start-weight-decay", "0.01", "--end-weight-decay", "0.1", "--weight-decay-incr-style", "linear"],
+     {"scheduler_kwargs.start_wd": 0.01, "scheduler_kwargs.end_wd": 0.1, "scheduler_kwargs.wd_incr_style": "linear"}),
+    (["--start-weight-decay", "0.0", "--end-weight-decay", "0.1", "--weight-decay-incr-style", "cosine"],
+     {"scheduler_kwargs.wd_incr_style": "cosine"}),
+    (["--adam-beta1", "0.8"], {"optimizer_config.adam_beta1": 0.8}),
+    (["--adam-beta2", "0.95"], {"optimizer_config.adam_beta2": 0.95}),
+    (["--adam-eps", "1e-6"], {"optimizer_config.adam_eps": 1e-6}),
+    (["--optimizer", "sgd", "--sgd-momentum", "0.8"], {"optimizer_config.optimizer": "sgd",
+                                                       "optimizer_config.sgd_momentum": 0.8}),
+    (["--optimizer", "lion"], {"optimizer_config.optimizer": "lion"}),
+    (["--bf16"], {"optimizer_config.bf16": True, "optimizer_config.fp16": False, "model_dtype": torch.bfloat16,
+                  "optimizer_config.params_dtype": torch.bfloat16, "ddp_config.grad_reduce_in_fp32": True}),
+    (["--bf16", "--grad-reduce-in-bf16"], {"ddp_config.grad_reduce_in_fp32": False}),
+    (["--fp16"], {"optimizer_config.fp16": True, "model_dtype": torch.float16, "ddp_config.grad_reduce_in_fp32": False,
+                  "optimizer_config.loss_scale": None}),
+    (["--fp16", "--accumulate-allreduce-grads-in-fp32"], {"ddp_config.grad_reduce_in_fp32": True}),
+    (["--fp16", "--loss-scale", "1024"], {"optimizer_config.loss_scale": 1024.0}),
+    (["--bf16", "--loss-scale", "8"], {"optimizer_config.loss_scale": 8.0}),
+    (["--loss-scale", "1024"], {"optimizer_config.loss_scale": None}),  # fp32: no scaler, as in Megatron-LM
+    (["--fp16", "--initial-loss-scale", "4096", "--min-loss-scale", "2", "--loss-scale-window", "50",
+      "--hysteresis", "3"],
+     {"optimizer_config.initial_loss_scale": 4096.0, "optimizer_config.min_loss_scale": 2.0,
+      "optimizer_config.loss_scale_window": 50.0, "optimizer_config.hysteresis": 3}),
+    (["--use-distributed-optimizer"], {"optimizer_config.use_distributed_optimizer": True,
+                                       "ddp_config.use_distributed_optimizer": True}),
+    (["--overlap-grad-reduce"], {"ddp_config.overlap_grad_reduce": True}),
+    (["--use-distributed-optimizer", "--overlap-param-gather"],
+     {"ddp_config.overlap_param_gather": True, "optimizer_config.overlap_param_gather": True}),
+    (["--ddp-bucket-size", "1000"], {"ddp_config.bucket_size": 1000}),
+    (["--calculate-per-token-loss"], {"loss_mode": "per_token"}),
+    (["--log-num-zeros-in-grad"], {"optimizer_config.log_num_zeros_in_grad": True}),
+    (["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--seq-length", "16",
+      "--max-position-embeddings", "24", "--ffn-hidden-size", "100", "--init-method-std", "0.01",
+      "--untie-embeddings-and-output-weights"],
+     {"model_kwargs.layers": 3, "model_kwargs.hidden": 48, "model_kwargs.heads": 6, "seq_length": 16,
+      "model_kwargs.max_positions": 24, "model_kwargs.ffn_hidden": 100, "model_kwargs.init_std": 0.01,
+      "model_kwargs.tie_embeddings": False}),
+    (["--seq-length", "16"], {"model_kwargs.max_positions": 16}),  # --max-position-embeddings defaults to it
+    (["--override-opt-param-scheduler"], {"scheduler_kwargs.override_opt_param_scheduler": True,
+                                          "scheduler_kwargs.use_checkpoint_opt_param_scheduler": False}),
+    (["--log-interval", "5", "--seed", "7", "--distributed-timeout-minutes", "3", "--save", "a", "--load", "b",
+      "--save-interval", "4", "--tensorboard-log-interval", "2"],
+     {"args.log_interval": 5, "args.seed": 7, "args.distributed_timeout_minutes": 3, "args.save": "a",
+      "args.load": "b", "args.save_interval": 4, "args.tensorboard_log_interval": 2}),
+    # the script's old flags are aliases of Megatron-LM's
+    (["--steps", "9", "--seq-len", "16", "--hidden", "48", "--layers", "3", "--heads", "6", "--warmup-steps", "2",
+      "--bucket-size", "500", "--loss-mode", "per_token", "--micro-batch-size", "2"],
+     {"train_iters": 9, "seq_length": 16, "model_kwargs.hidden": 48, "model_kwargs.layers": 3,
+      "model_kwargs.heads": 6, "scheduler_kwargs.lr_warmup_steps": 8, "ddp_config.bucket_size": 500,
+      "loss_mode": "per_token"}),
+]
+
+
+@pytest.mark.parametrize("flags, expected", MAPPINGS, ids=[" ".join(f) for f, _ in MAPPINGS])
+def test_flag_maps_to_config(monkeypatch, flags, expected):
+    args, run = _parse(monkeypatch, flags)
+    for path, value in expected.items():
+        got = getattr(args, path[5:]) if path.startswith("args.") else _get(run, path)
+        assert got == value and type(got) is type(value), (path, got, value)
+
+
+def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
+    """No flags (the README command): Megatron-LM's defaults, except where it has none or a no-flag demo
+    needs another (pretrain_gpt.DEMO_DEFAULTS)."""
+    args, run = _parse(monkeypatch, [])
+    oc, dc, sk = run.optimizer_config, run.ddp_config, run.scheduler_kwargs
+    megatron = [
+        (oc.optimizer, "adam"), (oc.min_lr, 0.0), (oc.weight_decay, 0.01), (oc.clip_grad, 1.0), (oc.adam_beta1, 0.9),
+        (oc.adam_beta2, 0.999), (oc.adam_eps, 1e-8), (oc.loss_scale, None), (oc.initial_loss_scale, 2.0**32),
+        (oc.min_loss_scale, 1.0), (oc.loss_scale_window, 1000), (oc.hysteresis, 2), (oc.bf16, False),
+        (oc.fp16, False), (oc.use_distributed_optimizer, False), (dc.use_distributed_optimizer, False),
+        (dc.overlap_grad_reduce, False), (dc.overlap_param_gather, False), (dc.bucket_size, None),
+        (dc.grad_reduce_in_fp32, False), (sk["lr_decay_style"], "linear"), (sk["init_lr"], 0.0),
+        (sk["wd_incr_style"], "constant"), (sk["start_wd"], 0.01), (run.loss_mode, "mean"),
+        (run.num_microbatches, 1), (args.seed, 1234), (args.distributed_timeout_minutes, 10),
+        (args.tensorboard_log_interval, 1), (run.model_kwargs["init_std"], 0.02),
+        (run.model_kwargs["tie_embeddings"], True), (run.model_kwargs["ffn_hidden"], None),
+        (run.model_dtype, torch.float32),
+    ]
+    for i, (got, want) in enumerate(megatron):
+        assert got == want and type(got) is type(want), (i, got, want)
+    demo = pretrain_gpt.DEMO_DEFAULTS
+    assert (oc.lr, run.train_iters, run.micro_batch_size, run.seq_length, args.log_interval) == (
+        demo["lr"], demo["train_iters"], demo["micro_batch_size"], demo["seq_length"], demo["log_interval"])
+    assert sk["lr_warmup_steps"] == demo["lr_warmup_iters"] * run.global_batch_size
+    assert run.global_batch_size == demo["micro_batch_size"] * 2
+
+
+# ----------------------------------------------------------------------------- micro-batches
+@pytest.mark.parametrize("gbs, mbs, dp, expected", [(16, 2, 2, 4), (6, 3, 2, 1), (24, 1, 3, 8), (7, 7, 1, 1)])
+def test_num_microbatches(gbs, mbs, dp, expected):
+    assert pretrain_gpt.num_microbatches(gbs, mbs, dp) == expected
+
+
+@pytest.mark.parametrize("gbs, mbs, dp", [(10, 2, 4), (8, 3, 2), (4, 4, 2)])
+def test_num_microbatches_error(gbs, mbs, dp):
+    with pytest.raises(ValueError) as exc:
+        pretrain_gpt.num_microbatches(gbs, mbs, dp)
+    assert (f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
+            f"= {mbs * dp}") in str(exc.value)
+
+
+def test_global_batch_not_divisible_is_a_parser_error(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(monkeypatch, ["--micro-batch-size", "2", "--global-batch-size", "8"], world=3)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--global-batch-size 8 is not divisible by --micro-batch-size 2 x data-parallel size 3 = 6" in err, err
+    _, run = _parse(monkeypatch, ["--micro-batch-size", "2", "--global-batch-size", "12"], world=3)
+    assert run.num_microbatches == 2
+
+
+def test_global_batch_error_under_torchrun():
+    """The real command line: each rank exits 2 with the message, before any process group."""
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", SCRIPT, "--micro-batch-size", "3", "--global-batch-size",
+                          "8"], capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    assert out.returncode != 0
+    assert ("pretrain_gpt.py: error: --global-batch-size 8 is not divisible by --micro-batch-size 3 x data-parallel "
+            "size 2 = 6") in out.stderr, out.stderr[-3000:]
+    assert "exitcode:2" in out.stderr.replace(" ", ""), out.stderr[-3000:]
+    assert "megatron_opt pretrain_gpt:" not in out.stdout  # the run never started
+
+
+# ----------------------------------------------------------------------------- contradictions (Megatron-LM's asserts)
+CONTRADICTIONS = [
+    (["--train-iters", "10", "--train-samples", "100"], ["--train-iters and --train-samples are exclusive"]),
+    (["--steps", "10", "--train-samples", "100"], ["--steps and --train-samples are exclusive"]),
+    (["--train-iters", "10", "--lr-decay-samples", "50"], ["--lr-decay-samples does not go with --train-iters",
+                                                           "use --lr-decay-iters"]),
+    (["--lr-warmup-samples", "50"], ["--lr-warmup-samples does not go with --train-iters"]),
+    (["--train-samples", "100", "--lr-decay-iters", "5"], ["--lr-decay-iters does not go with --train-samples",
+                                                          "use --lr-decay-samples"]),
+    (["--train-samples", "100", "--lr-warmup-iters", "5"], ["--lr-warmup-iters does not go with --train-samples"]),
+    (["--train-samples", "100", "--warmup-steps", "5"], ["--warmup-steps does not go with --train-samples"]),
+    (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"],
+     ["--lr-warmup-fraction and --lr-warmup-iters are exclusive"]),
+    (["--train-samples", "100", "--lr-warmup-fraction", "0.1", "--lr-warmup-samples", "2"],
+     ["--lr-warmup-fraction and --lr-warmup-samples are exclusive"]),
+    (["--lr-warmup-fraction", "1.5"], ["--lr-warmup-fraction must be in [0, 1)"]),
+    (["--train-iters", "10", "--lr-warmup-iters", "10"], ["--lr-warmup-iters 10 must be >= 0 and less than",
+                                                           "--train-iters 10"]),
+    (["--train-iters", "10", "--lr-decay-iters", "4"], ["--lr-warmup-iters 5 must be >= 0 and less than the LR "
+                                                        "decay length --lr-decay-iters 4"]),
+    (["--train-samples", "2", "--global-batch-size", "4", "--micro-batch-size", "2"],
+     ["--train-samples 2 is less than one global batch"]),
+    (["--start-weight-decay", "0.1"], ["--start-weight-decay needs --weight-decay-incr-style linear or cosine"]),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.1"],
+     ["--weight-decay-incr-style linear needs --start-weight-decay and --end-weight-decay"]),
+    (["--weight-decay-incr-style", "linear", "--start-weight-decay", "0.2", "--end-weight-decay", "0.1"],
+     ["need 0 <= --start-weight-decay <= --end-weight-decay"]),
+    (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs --lr-wsd-decay-iters"]),
+    (["--overlap-param-gather"], ["--overlap-param-gather needs --use-distributed-optimizer"]),
+    (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16 needs --bf16"]),
+    (["--loss-mode", "mean", "--calculate-per-token-loss"], ["--loss-mode mean contradicts --calculate-per-token-loss"]),
+    (["--global-batch-size", "16", "--num-microbatches", "3", "--micro-batch-size", "2"],
+     ["--global-batch-size 16 contradicts --num-microbatches 3"]),
+    (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], ["are exclusive"]),
+    (["--fp16", "--loss-scale", "0"], ["--loss-scale must be a finite number > 0"]),
+    (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"],
+     ["--initial-loss-scale must be a finite number >= --min-loss-scale 8, got 4"]),
+    (["--num-attention-heads", "3"], ["--hidden-size 128 is not divisible by --num-attention-heads 3"]),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], ["--max-position-embeddings 32 must be >= "
+                                                                  "--seq-length 64"]),
+    (["--adam-beta2", "1.0"], ["--adam-beta2=1.0 is out of range"]),  # megatron_opt's own check, as a flag
+    (["--hysteresis", "0"], ["--hysteresis=0 is out of range"]),
+    (["--train-iters", "0"], ["--train-iters must be a positive integer, got 0"]),
+    (["--global-batch-size", "0"], ["--global-batch-size must be a positive integer, got 0"]),
+    (["--log-interval", "0"], ["--log-interval must be a positive integer, got 0"]),
+]
+
+
+@pytest.mark.parametrize("flags, expected", CONTRADICTIONS, ids=[" ".join(f) for f, _ in CONTRADICTIONS])
+def test_contradicting_flags_are_parser_errors(monkeypatch, capsys, flags, expected):
+    with pytest.raises(SystemExit) as exc:
+        _parse(monkeypatch, flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "pretrain_gpt.py: error:" in err
+    for text in expected:
+        assert text in err, err
+
+
+# ----------------------------------------------------------------------------- unsupported flags
+def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
+    # the example's flags in its order: the unsupported ones between the supported blocks
+    third = len(LLAMA_UNSUPPORTED) // 3
+    words = lambda flags: [word for flag in flags for word in flag]  # noqa: E731
+    flags = [*LLAMA_MODEL, *words(LLAMA_UNSUPPORTED[:third]), *LLAMA_TRAINING,
+             *words(LLAMA_UNSUPPORTED[third:2 * third]), *LLAMA_PARALLEL, *LLAMA_DDP,
+             *words(LLAMA_UNSUPPORTED[2 * third:]), *LLAMA_LOGGING]
+    flags += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--data-path", "x",
+              "--vocab-file", "v.json", "--merge-file", "m.txt", "--transformer-impl", "local",
+              "--expert-model-parallel-size", "2", "--context-parallel-size=2", "--hidden-dropout", "0.1"]
+    with pytest.raises(SystemExit) as exc:
+        _parse(monkeypatch, flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("pretrain_gpt.py: error:") == 1, err
+    n = len(LLAMA_UNSUPPORTED) + 9
+    assert f"{n} flags not supported by pretrain_gpt.py (nothing was run)" in err, err
+    for flag in LLAMA_UNSUPPORTED:
+        assert f"\n  {' '.join(flag)}: " in err, (flag, err)
+    for text in ["  --fp8-format hybrid: fp8/fp4 training is not implemented",
+                 "  --tensor-model-parallel-size 2: only data parallelism",
+                 "  --pipeline-model-parallel-size 4: only data parallelism",
+                 "  --expert-model-parallel-size 2: only data parallelism",
+                 "  --context-parallel-size 2: only data parallelism",
+                 "  --data-path x: the script trains on its built-in character-level dataset",
+                 "  --vocab-file v.json: the script trains", "  --merge-file m.txt: the script trains",
+                 "  --tokenizer-type NullTokenizer: the script trains",
+                 "  --use-mcore-models: the model is this script's own GPT",
+                 "  --transformer-impl local: the model is this script's own GPT",
+                 "  --swiglu: the model is this script's own GPT", "  --num-query-groups 8: the model",
+                 "  --hidden-dropout 0.1: the model", "  --attention-backend fused: the model",
+                 "  --decoupled-lr 5.0e-4: decoupled learning rates", "  --eval-iters 32: evaluation is not",
+                 "  --profile: profiling is not implemented"]:
+        assert text in err, (text, err)
+    # the accepted no-op values are not listed as errors
+    for text in ["--tensor-model-parallel-size 1:", "--sequence-parallel:", "--ckpt-format torch_dist:",
+                 "--attention-dropout 0.0:"]:
+        assert text not in err, (text, err)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--context-parallel-size", "1",
+     "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--sequence-parallel"],
+    ["--attention-dropout", "0", "--hidden-dropout", "0.0", "--attention-backend", "auto", "--ckpt-format",
+     "torch_dist", "--eval-iters", "0", "--no-check-for-nan-in-loss-and-grad"],
+    ["--tensor-model-parallel-size=1", "--attention-dropout=0.0"],
+])
+def test_noop_values_are_accepted(monkeypatch, flags):
+    args, run = _parse(monkeypatch, flags)
+    assert run.train_iters == pretrain_gpt.DEMO_DEFAULTS["train_iters"]
+
+
+@pytest.mark.parametrize("flags, listed", [
+    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
+    (["--sequence-parallel", "yes"], "--sequence-parallel yes"),
+    (["--ckpt-format", "torch"], "--ckpt-format torch"),
+    (["--no-such-flag"], "--no-such-flag: not a flag this script implements"),
+    (["--lr-warmup"], "--lr-warmup: not a flag this script implements"),  # no abbreviations of --lr-warmup-iters
+])
+def test_single_unsupported_flag(monkeypatch, capsys, flags, listed):
+    with pytest.raises(SystemExit) as exc:
+        _parse(monkeypatch, flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "1 flag not supported by pretrain_gpt.py" in err and listed in err, err
+
+
+def test_unsupported_flags_exit_before_any_process_group():
+    """Under torchrun: every rank exits 2 with the one message, and no process group was created."""
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", SCRIPT, "--fp8-format", "hybrid", "--data-path", "x",
+                          "--tensor-model-parallel-size", "2"], capture_output=True, text=True,
+                         timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    assert out.returncode != 0
+    assert "error: 3 flags not supported by pretrain_gpt.py (nothing was run)" in out.stderr, out.stderr[-3000:]
+    assert "exitcode:2" in out.stderr.replace(" ", ""), out.stderr[-3000:]
+    assert "megatron_opt pretrain_gpt:" not in out.stdout  # the run never started
+
+
+# ----------------------------------------------------------------------------- tensorboard
+def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` now raises ImportError
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(SystemExit) as exc:
+        _parse(monkeypatch, ["--tensorboard-dir", str(tmp_path / "tb")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tensorboard-dir needs the tensorboard package" in err and "pip install tensorboard" in err, err
+    _parse(monkeypatch, [])  # the run without --tensorboard-dir never needs it
+
+
+@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed here")
+def test_tensorboard_missing_on_the_command_line(tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, "--tensorboard-dir", str(tmp_path / "tb")], capture_output=True,
+                         text=True, timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    assert out.returncode == 2 and "pip install tensorboard" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not HAS_TENSORBOARD, reason="tensorboard is not installed (pip install tensorboard)")
+def test_tensorboard_flags_parse(monkeypatch, tmp_path):
+    args, _ = _parse(monkeypatch, ["--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "3"])
+    assert args.tensorboard_dir == str(tmp_path / "tb") and args.tensorboard_log_interval == 3
