@@ -109,7 +109,7 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, asy
         if shard.data_ptr() != full.data_ptr():
             full[: shard.numel()].copy_(shard)
         return _Done()
-    if not async_op and full.device.type == "cpu" and shard.numel() > SYNC_ALL_GATHER_CHUNK:
+    if not async_op and full.device.type == "cpu" and shard.numel() > _slice_per_rank(group):
         _all_gather_in_chunks(full, shard, group)
         return _Done()
     work = _all_gather_op()(full, shard, group=group, async_op=async_op)
@@ -117,14 +117,19 @@ def all_gather(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, asy
 
 
 # gloo stages a whole all-gather output in a temporary buffer; a synchronous gather of a large bucket
-# (e.g. after a checkpoint load) goes in slices so that buffer stays small.
-SYNC_ALL_GATHER_CHUNK = 1 << 22  # elements per rank and slice
+# (e.g. after a checkpoint load) goes in slices so that buffer stays small. The bound is on the
+# gathered output (all ranks' slices), so the staging stays the same at any DP size.
+SYNC_ALL_GATHER_CHUNK = 1 << 21  # elements of the gathered output per slice
+
+
+def _slice_per_rank(group: ProcessGroup) -> int:
+    return max(1, SYNC_ALL_GATHER_CHUNK // world_size(group))
 
 
 def _all_gather_in_chunks(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup) -> None:
-    n, world = shard.numel(), world_size(group)
-    for lo in range(0, n, SYNC_ALL_GATHER_CHUNK):
-        hi = min(n, lo + SYNC_ALL_GATHER_CHUNK)
+    n, world, step = shard.numel(), world_size(group), _slice_per_rank(group)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
         # When ``shard`` is this rank's chunk of ``full`` its output slice is the input itself.
         outputs = [full[r * n + lo : r * n + hi] for r in range(world)]
         dist.all_gather(outputs, shard[lo:hi], group=group)

@@ -143,6 +143,19 @@ def test_nonfinite_saved_state_is_rejected(pools, tmp_path):
         assert res["error"] and "non-finite" in res["error"] and res["untouched"], res
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_check_reaches_past_its_first_slice(bad):
+    from megatron_opt.checkpoint import model_space
+    from megatron_opt.checkpoint.dcp_items import ParamChunk
+
+    n = 3 * model_space._FINITE_CHECK_SLICE + 5  # the check goes in slices; the bad value is in the last
+    dest = {"optim/exp_avg/a": ParamChunk(torch.zeros(7), torch.Size([7]), 0),
+            "optim/exp_avg/b": ParamChunk(torch.zeros(n), torch.Size([n]), 0), "run": None}
+    assert model_space.nonfinite_optimizer_state(dest) is None
+    dest["optim/exp_avg/b"].flat[-1] = bad
+    assert "optim/exp_avg/b" in model_space.nonfinite_optimizer_state(dest)
+
+
 # ----------------------------------------------------------------------------- async saves
 def test_async_save_failure_raises_on_every_rank(pools, tmp_path):
     for res in pools(2).run(cc.async_save_failure, str(tmp_path), timeout=120):
