@@ -879,7 +879,9 @@ def main() -> None:
     flops = model_flops_per_iteration(run, len(dataset.vocab))
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={world}, device={device}, "
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))  # torchrun's launcher (node) count
+        print(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={world}, "
+              f"{nodes} node{'s' if nodes > 1 else ''}, device={device}, "
               f"dtype={run.model_dtype}, ops backend={mo.ops.backend_for(next(model.parameters()))}, "
               f"{'distributed' if args.use_distributed_optimizer else 'non-distributed'} optimizer, "
               f"loss mode={run.loss_mode}, global batch {gbs} = {run.micro_batch_size} x {run.num_microbatches} "
