@@ -1,19 +1,63 @@
 """Pretrain a small GPT with megatron_opt under torchrun: CPU/gloo without a GPU, CUDA/NCCL with one.
 
-    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --steps 30
-    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --steps 30 --save ckpt --save-interval 10
-    torchrun --standalone --nproc_per_node=3 scripts/pretrain_gpt.py --steps 40 --load ckpt --save ckpt   # resume, DP 2 -> 3
+    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py
+    torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --train-iters 30 --save ckpt --save-interval 10
+    torchrun --standalone --nproc_per_node=3 scripts/pretrain_gpt.py --train-iters 40 --load ckpt --save ckpt  # DP 2 -> 3
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT scripts/pretrain_gpt.py ...
 
-The built-in dataset is character-level text taken from the docstrings of Python's standard library
-(present on every machine, nothing is downloaded), cut into documents of random length and padded
-with ignored labels, so micro-batches carry different numbers of supervised tokens and the
-per-token loss normalisation matters. Every step logs loss, grad norm, loss scale, lr, skipped
-steps and tokens/s.
+Megatron-LM's flags (megatron/training/arguments.py), with Megatron-LM's meaning, so that the optimizer,
+schedule, precision, batch, logging and checkpoint block of a Megatron-LM launch script runs with only
+the entry point changed:
 
-Checkpoints (megatron_opt.checkpoint, Megatron-LM's flag names): ``--save DIR`` saves every
-``--save-interval`` iterations and at the end; ``--load DIR`` resumes the model, optimizer, schedule,
-loss scale, iteration, RNG and data position (at any data-parallel size; the RNG and data position
-only at the same size), ``--no-load-optim`` / ``--no-load-rng`` skip those parts.
+  batch      --micro-batch-size --global-batch-size (micro-batches per step = global / (micro x DP),
+             which must divide; default global = micro x DP) --train-iters | --train-samples
+  schedule   --lr --min-lr --lr-decay-style --lr-decay-iters | --lr-decay-samples --lr-warmup-iters |
+             --lr-warmup-samples | --lr-warmup-fraction --lr-warmup-init --lr-wsd-decay-style
+             --lr-wsd-decay-iters | --lr-wsd-decay-samples --weight-decay --start-weight-decay
+             --end-weight-decay --weight-decay-incr-style --override-opt-param-scheduler
+             --use-checkpoint-opt-param-scheduler (the scheduler counts samples: iterations x global batch)
+  optimizer  --optimizer adam|sgd|lion --adam-beta1 --adam-beta2 --adam-eps --sgd-momentum --clip-grad
+             --use-distributed-optimizer (ZeRO-1; without it, plain data parallelism with every rank
+             holding the whole optimizer)
+  precision  --bf16 | --fp16, --loss-scale (constant) | dynamic: --initial-loss-scale --min-loss-scale
+             --loss-scale-window --hysteresis; --accumulate-allreduce-grads-in-fp32 --grad-reduce-in-bf16
+  DDP        --overlap-grad-reduce --overlap-param-gather --ddp-bucket-size --distributed-timeout-minutes
+  loss       --calculate-per-token-loss (default: the mean of each micro-batch's mean token loss)
+  model      --num-layers --hidden-size --ffn-hidden-size --num-attention-heads --seq-length
+             --max-position-embeddings --init-method-std --untie-embeddings-and-output-weights --seed
+  logging    --log-interval --log-throughput --log-num-zeros-in-grad --tensorboard-dir
+             --tensorboard-log-interval --log-timers-to-tensorboard (Megatron-LM's scalar names; needs
+             `pip install tensorboard`); this script's own --log-json FILE: one JSON line per iteration
+  checkpoint --save --save-interval --load --no-load-optim --no-load-rng --async-save --exit-interval
+
+Defaults are Megatron-LM's, except where Megatron-LM has none or a run with no flags should stay a short
+demo (DEMO_DEFAULTS): --lr 3e-3, --train-iters 30, --micro-batch-size 4, --seq-length 64, --hidden-size
+128, --num-layers 2, --num-attention-heads 4, --lr-warmup-iters 5 (Megatron-LM: 0), --log-interval 1
+(Megatron-LM: 100); on --load the checkpoint's schedule is kept unless --override-opt-param-scheduler
+(Megatron-LM refuses a changed one unless told). The flags this script had before are aliases:
+--steps (--train-iters), --seq-len, --hidden, --layers, --heads, --warmup-steps (--lr-warmup-iters),
+--bucket-size (--ddp-bucket-size), and its own --num-microbatches N (global = micro x N x DP) and
+--loss-mode per_token|mean (--calculate-per-token-loss or not).
+
+Megatron-LM flags for what this script does not have (fp8, tensor/pipeline/context/expert parallelism,
+data and tokenizer paths, other model architectures, evaluation, ...) and unknown flags are all named in
+one error (exit code 2) before any process group exists; values that are no-ops here are accepted
+(NOOP_VALUES: --tensor-model-parallel-size 1, --sequence-parallel, --attention-dropout 0, --ckpt-format
+torch_dist, ...).
+
+The model is Megatron-LM's default GPT without dropout: learned absolute positions, pre-LayerNorm
+blocks with multi-head causal attention and a GELU MLP, biases, and an output layer tied to the input
+embedding. The built-in dataset is character-level text taken from the docstrings of Python's standard
+library (present on every machine, nothing is downloaded), cut into documents of random length and
+padded with ignored labels, so micro-batches carry different numbers of supervised tokens and the
+per-token loss normalisation matters. Every --log-interval iterations rank 0 logs loss (the interval's
+mean), grad norm, loss scale, lr, skipped iterations, tokens/s and time per iteration.
+
+Checkpoints (megatron_opt.checkpoint): ``--save DIR`` saves every ``--save-interval`` iterations and at
+the end; ``--load DIR`` resumes the model, optimizer, schedule, loss scale, iteration, RNG and data
+position (at any data-parallel size; the RNG and data position only at the same size),
+``--no-load-optim`` / ``--no-load-rng`` skip those parts; ``--exit-interval N`` saves and exits after an
+iteration divisible by N.
 
 Hangs: every collective gives up after ``--distributed-timeout-minutes`` (default 10), and a watchdog
 ends a rank whose training step runs for more than max(``--watchdog-min-seconds``,
