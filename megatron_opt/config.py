@@ -94,7 +94,6 @@ class DistributedDataParallelConfig:
     reduce_scatter_with_fp32_accumulation: bool = False
 
     _UNSUPPORTED = {
-        "num_distributed_optimizer_instances": 1,
         "check_for_large_grads": False,
         "fp8_param_gather": False,
         "reuse_grad_buf_for_mxfp8_param_ag": False,
@@ -105,7 +104,6 @@ class DistributedDataParallelConfig:
         "reduce_scatter_with_fp32_accumulation": False,
     }
     _WHY = {
-        "num_distributed_optimizer_instances": "partial distributed optimizer is not implemented",
         "fp8_param_gather": "fp8 params are not supported",
         "use_megatron_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
         "use_custom_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
@@ -122,6 +120,14 @@ class DistributedDataParallelConfig:
             _check_range(owner, "bucket_size", self.bucket_size, 0, _INF, low_open=True, integer=True,
                          hint="a bucket's element count; None lets megatron_opt choose")
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
+        if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
+            raise UnsupportedConfigError(
+                f"{owner}.num_distributed_optimizer_instances={self.num_distributed_optimizer_instances!r} needs "
+                f"use_distributed_optimizer=True (it shards the distributed optimizer within groups of "
+                f"DP / num_distributed_optimizer_instances ranks; without a sharded optimizer there is nothing to "
+                f"split). Set use_distributed_optimizer=True, or leave num_distributed_optimizer_instances at its "
+                f"default 1."
+            )
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise UnsupportedConfigError(
                 "overlap_param_gather=True needs use_distributed_optimizer=True (only the sharded "
@@ -173,20 +179,18 @@ class OptimizerConfig:
     optimizer_cuda_graph: bool = False
     apply_wd_to_qk_layernorm: bool = False
     config_logger_dir: str = ""
+    # megatron_opt only: round 16-bit moments stochastically (unbiased) instead of to nearest.
+    stochastic_rounding: bool = False
 
     _UNSUPPORTED = {
-        "use_precision_aware_optimizer": False,
         "main_grads_dtype": torch.float32,
-        "main_params_dtype": torch.float32,
-        "exp_avg_dtype": torch.float32,
-        "exp_avg_sq_dtype": torch.float32,
         "decoupled_weight_decay": True,
         "overlap_param_gather_with_optimizer_step": False,
         "optimizer_cpu_offload": False,
         "optimizer_offload_fraction": 0.0,
     }
     _WHY = {
-        "use_precision_aware_optimizer": "master weights and moments are always fp32",
+        "main_grads_dtype": "gradients are reduced in the DDP config's dtype (grad_reduce_in_fp32)",
         "decoupled_weight_decay": "Adam runs as AdamW (decoupled weight decay) only",
         "optimizer_cpu_offload": "CPU offload of the optimizer is not implemented",
     }
@@ -205,6 +209,35 @@ class OptimizerConfig:
             raise UnsupportedConfigError(
                 f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam', 'sgd' or 'lion'."
             )
+        self._check_precision_aware()
+
+    _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+    def _check_precision_aware(self) -> None:
+        """Megatron-LM's precision-aware optimizer: 16-bit moments and masters, only when asked for."""
+        owner = type(self).__name__
+        for name, allowed in (("exp_avg_dtype", self._STATE_DTYPES), ("exp_avg_sq_dtype", self._STATE_DTYPES),
+                              ("main_params_dtype", (torch.float32, torch.float16))):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise InvalidConfigError(f"{owner}.{name}={value} is not supported; use one of "
+                                         f"{', '.join(str(d) for d in allowed)}.")
+            if value != torch.float32 and not self.use_precision_aware_optimizer:
+                raise InvalidConfigError(f"{owner}.{name}={value} needs use_precision_aware_optimizer=True (as in "
+                                         f"Megatron-LM); set it, or leave {name} at torch.float32.")
+        if self.use_precision_aware_optimizer and self.optimizer != "adam":
+            raise UnsupportedConfigError(f"{owner}.use_precision_aware_optimizer=True supports optimizer='adam' only "
+                                         f"(got {self.optimizer!r}), as in Megatron-LM.")
+        if self.stochastic_rounding and not self.use_precision_aware_optimizer:
+            raise InvalidConfigError(f"{owner}.stochastic_rounding=True rounds 16-bit moments; it needs "
+                                     f"use_precision_aware_optimizer=True with a 16-bit exp_avg_dtype or exp_avg_sq_dtype.")
+
+    @property
+    def uses_param_remainders(self) -> bool:
+        """Masters of bf16 params kept as the bf16 param plus a 16-bit remainder (Megatron-LM's
+        store_param_remainders): only with the precision-aware optimizer and fp32 main params."""
+        return bool(self.use_precision_aware_optimizer and self.store_param_remainders
+                    and self.main_params_dtype == torch.float32)
 
     def _check_ranges(self) -> None:
         """Reject values torch.optim would reject, and those that silently train wrong (like torch.optim,

@@ -42,11 +42,7 @@ DDP_UNSUPPORTED = [
     ("reduce_scatter_with_fp32_accumulation", True),
 ]
 OPT_UNSUPPORTED = [
-    ("use_precision_aware_optimizer", True),
     ("main_grads_dtype", torch.bfloat16),
-    ("main_params_dtype", torch.float16),
-    ("exp_avg_dtype", torch.bfloat16),
-    ("exp_avg_sq_dtype", torch.bfloat16),
     ("decoupled_weight_decay", False),
     ("overlap_param_gather_with_optimizer_step", True),
     ("optimizer_cpu_offload", True),

@@ -20,6 +20,7 @@ from . import cpu, reference
 from .piece_table import PieceTable, full_table
 from .step_plan import DeviceHyperparams, ShardOperands, StepPlan, lr_wd_table
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
+from .precision import MASTER_DTYPES, STATE_DTYPES
 
 Backend = Literal["auto", "cuda-ext", "cpu", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "cuda-ext", "cpu", "reference")
@@ -79,10 +80,10 @@ def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, 
                param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
                weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor, beta1: float,
                beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
-               backend: Backend = "auto") -> None:
+               stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
     _impl(grad, backend).adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr,
                                     weight_decay=weight_decay, grad_scale=grad_scale, step=step, beta1=beta1,
-                                    beta2=beta2, eps=eps, found_inf=found_inf)
+                                    beta2=beta2, eps=eps, found_inf=found_inf, stochastic_rounding=stochastic_rounding)
 
 
 def sgd_step(grad: torch.Tensor, master: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
@@ -133,21 +134,25 @@ def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Ten
 
 def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
                        beta1: float, beta2: float, eps: float, clip_coef: float = 1.0,
-                       found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
-    """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2]."""
+                       found_inf: Optional[torch.Tensor] = None, stochastic_rounding: bool = False,
+                       backend: Backend = "auto") -> None:
+    """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2].
+    Moments and masters may be 16-bit (see ops/precision.py)."""
     impl = _plan_impl(plan, backend)
     if impl is None:
         return
     if impl is _cuda_impl:
         impl.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2,
-                                eps=eps, clip_coef=clip_coef, found_inf=found_inf)
+                                eps=eps, clip_coef=clip_coef, found_inf=found_inf,
+                                stochastic_rounding=stochastic_rounding)
         return
     plan.check_groups(lr_wd, "adamw_step")
     lr, wd = _host_groups(lr_wd)
     scale = _scaled(grad_scale, clip_coef)
     for s in plan.shards:
         impl.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=lr, weight_decay=wd,
-                        grad_scale=scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf)
+                        grad_scale=scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf,
+                        stochastic_rounding=stochastic_rounding)
 
 
 def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
@@ -209,6 +214,8 @@ __all__ = [
     "sgd_step",
     "lion_step",
     "HAS_CUDA_EXT",
+    "MASTER_DTYPES",
+    "STATE_DTYPES",
     "CUDA_EXT_ERROR",
     "NUM_STATS",
     "STAT_NONFINITE",

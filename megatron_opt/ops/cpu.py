@@ -65,7 +65,15 @@ def adamw_step(
     beta2: float,
     eps: float,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
 ) -> None:
+    if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        # 16-bit state: torch's fused CPU AdamW needs one dtype for params and state, so the reference
+        # runs it (widen, update, round: a few vector ops over the shard).
+        reference.adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr, weight_decay=weight_decay,
+                             grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf,
+                             stochastic_rounding=stochastic_rounding)
+        return
     span = table.span()
     if span is None or is_skipped(found_inf):
         return

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import precision
 from .common import gaps_kept, is_skipped, sum_of_squares, zero_gaps
 from .piece_table import PieceTable
 
@@ -76,12 +77,18 @@ def adamw_step(
     beta2: float,
     eps: float,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
 ) -> None:
-    """Pass 2, AdamW (decoupled weight decay, torch.optim.AdamW's formula) on the fp32 master shard.
+    """Pass 2, AdamW (decoupled weight decay, torch.optim.AdamW's formula) on the master shard.
 
     ``lr`` and ``weight_decay`` are indexed by the table's group ids. ``step`` is the 1-based index
     of this update (already advanced). ``param_out`` (model dtype) receives the rounded master; it
     is None when the master aliases an fp32 param.
+
+    Precision-aware state (ops/precision.py): the moments may be fp32, bf16 or fp16 and the master
+    fp32, fp16 or an int16 remainder of the bf16 ``param_out``. Every element is widened to fp32,
+    updated with the same fp32 arithmetic, and rounded once on store (to nearest even, or
+    stochastically for bf16 moments with ``stochastic_rounding``).
     """
     span = table.span()
     if span is None or is_skipped(found_inf):
@@ -89,7 +96,8 @@ def adamw_step(
     a, b = span
     with gaps_kept(table, master, exp_avg, exp_avg_sq, param_out):
         g = grad[a:b].float() * grad_scale  # a new tensor: never scale the persistent grad buffer
-        m, v, w = exp_avg[a:b], exp_avg_sq[a:b], master[a:b]
+        m, v = exp_avg[a:b].float(), exp_avg_sq[a:b].float()  # .float() of fp32 is the tensor itself
+        w = precision.load_master(master[a:b], None if param_out is None else param_out[a:b])
         m.lerp_(g, 1 - beta1)
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         t = step.double().reshape(())
@@ -102,8 +110,12 @@ def adamw_step(
             if decay != 0:
                 w_run.mul_(1 - decay)
             w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
-        if param_out is not None:
-            param_out[a:b].copy_(w)
+        if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+            index = torch.arange(a, b, device=grad.device) if stochastic_rounding else None
+            step_i = int(step.reshape(())) if stochastic_rounding else 0
+            precision.store_state(m, exp_avg[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=0)
+            precision.store_state(v, exp_avg_sq[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=1)
+        precision.store_master(w, master[a:b], None if param_out is None else param_out[a:b])
 
 
 def sgd_step(

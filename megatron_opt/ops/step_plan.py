@@ -31,6 +31,8 @@ MAX_STATES = 2
 _VECTOR_BYTES = 16
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FLOAT_DTYPES = tuple(DTYPE_CODES)
+MASTER_CODES = {torch.float32: 0, torch.float16: 2, torch.int16: 3}  # 3: remainder (csrc/common.cuh kCodeRem)
+_MASTER_DTYPES = tuple(MASTER_CODES)
 _IN_NORM_BIT = 32
 _PHASE_SHIFT = 40
 
@@ -78,8 +80,13 @@ def _check_operands(shards: Sequence[ShardOperands], needs_update: bool) -> None
         if pdt is not None and pdt not in _FLOAT_DTYPES:
             raise TypeError(f"StepPlan shard {k}: param_out dtype {pdt} is not float32/bfloat16/float16")
         if needs_update:
-            if s.master is None or s.master.dtype != torch.float32:
-                raise TypeError(f"StepPlan shard {k}: master must be a float32 tensor")
+            if s.master is None or s.master.dtype not in _MASTER_DTYPES:
+                raise TypeError(f"StepPlan shard {k}: master must be a float32, float16 or int16 (remainder) tensor")
+            if s.master.dtype != first.master.dtype:
+                raise TypeError(f"StepPlan shard {k}: master dtype {s.master.dtype} differs from shard 0's "
+                                f"{first.master.dtype}: one plan per master storage")
+            if s.master.dtype == torch.int16 and pdt != torch.bfloat16:
+                raise TypeError(f"StepPlan shard {k}: an int16 remainder master needs a bfloat16 param_out (the high half)")
             if [t.dtype for t in s.state] != [t.dtype for t in first.state]:
                 raise ValueError(f"StepPlan shard {k}: state dtypes {[t.dtype for t in s.state]} differ from "
                                  f"shard 0's {[t.dtype for t in first.state]}")
@@ -146,11 +153,20 @@ class StepPlan:
     def state_dtypes(self) -> tuple[torch.dtype, ...]:
         return tuple(t.dtype for t in self.shards[0].state) if self.shards else ()
 
+    @property
+    def master_dtype(self) -> Optional[torch.dtype]:
+        return self.shards[0].master.dtype if self.shards and self.shards[0].master is not None else None
+
+    def state_codes(self) -> tuple[int, int]:
+        """The dtype code of each of the two state slots (-1: no such state)."""
+        codes = [DTYPE_CODES[d] for d in self.state_dtypes] + [-1] * (MAX_STATES - len(self.state_dtypes))
+        return codes[0], codes[1]
+
     def check_kernel_layout(self, op: str) -> None:
-        """The CUDA kernels take at most two float32 state arrays per shard."""
-        if len(self.state_dtypes) > MAX_STATES or any(d != torch.float32 for d in self.state_dtypes):
-            raise TypeError(f"{op}: the CUDA kernels take at most {MAX_STATES} float32 state tensors per shard, "
-                            f"this plan has {list(self.state_dtypes)}")
+        """The CUDA kernels take at most two state arrays per shard, each float32, bfloat16 or float16."""
+        if len(self.state_dtypes) > MAX_STATES or any(d not in _FLOAT_DTYPES for d in self.state_dtypes):
+            raise TypeError(f"{op}: the CUDA kernels take at most {MAX_STATES} float32/bfloat16/float16 state tensors "
+                            f"per shard, this plan has {list(self.state_dtypes)}")
 
     def _arrays(self, s: ShardOperands) -> list[Optional[torch.Tensor]]:
         state = list(s.state[:MAX_STATES]) + [None] * (MAX_STATES - len(s.state))
@@ -247,4 +263,4 @@ class DeviceHyperparams:
         return self.table
 
 
-__all__ = ["CHUNK", "DTYPE_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "DeviceHyperparams"]
+__all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "DeviceHyperparams"]

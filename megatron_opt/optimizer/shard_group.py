@@ -23,6 +23,7 @@ import torch
 
 from .. import collectives, ops
 from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
+from ..ops import precision
 from ..ops.piece_table import PieceTable
 from .update_rules import UpdateRule
 
@@ -87,9 +88,13 @@ class ShardGroup:
         default_weight_decay: float,
         expert_parallel: bool = False,
         tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+        main_params_dtype: torch.dtype = torch.float32,
+        param_remainders: bool = False,
     ) -> None:
         self.sources = list(sources)
         self.rule = rule
+        self.main_params_dtype = main_params_dtype
+        self.param_remainders = param_remainders
         self.is_expert_parallel = expert_parallel
         self._shards_in = [(src, s) for src in self.sources for s in src.local_shards(expert_parallel)]
         device = self._shards_in[0][1].grad.device if self._shards_in else torch.device("cpu")
@@ -144,13 +149,13 @@ class ShardGroup:
                 group=tuple(self._group_of[id(p)] for p in params),
                 numel=shard.numel,
             )
-            if shard.param.dtype == torch.float32:
-                master, param_out = shard.param.detach(), None  # alias: updates land in the model
-            else:
-                master, param_out = shard.param.detach().to(torch.float32, copy=True), shard.param
+            master, param_out = self._new_master(shard.param)
+            # What param_groups hold: views of the master; with remainders (int16, not a value) views
+            # of the bf16 param shard, which is the master rounded.
+            main_source = shard.param.detach() if precision.is_remainder(master) else master
             mains = []
             for pc, p in zip(shard.pieces, params):
-                main = master[pc.shard_range.start : pc.shard_range.end]  # a leaf: master has no autograd history
+                main = main_source[pc.shard_range.start : pc.shard_range.end]  # a leaf: no autograd history
                 for attr in _PARALLEL_ATTRS:
                     if hasattr(p, attr):
                         setattr(main, attr, getattr(p, attr))
@@ -165,11 +170,25 @@ class ShardGroup:
                 p.main_param, p.main_param_sharded = None, True
         return shards
 
+    def _new_master(self, param: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(master, param_out) for a param shard. fp32 params: the param itself (updates land in the
+        model). bf16 params with remainders: an int16 remainder, zero since the param is exactly the
+        master at first. Otherwise a copy in main_params_dtype (fp32, or fp16)."""
+        if param.dtype == torch.float32:
+            return param.detach(), None
+        if self.param_remainders and param.dtype == torch.bfloat16:
+            return torch.zeros(param.shape, dtype=torch.int16, device=param.device), param
+        return param.detach().to(self.main_params_dtype, copy=True), param
+
+    def _master_values(self, s: ShardState) -> torch.Tensor:
+        """The shard's masters as fp32 values (a view for fp32 masters, else a new tensor)."""
+        return precision.load_master(s.master, s.param_out)
+
     def _build_launch_groups(self) -> list[LaunchGroup]:
         members: dict[tuple, list[ShardState]] = {}
         for s in self.shards:
             key = (id(s.source), s.shard.grad_prescale, s.shard.grad.dtype,
-                   None if s.param_out is None else s.param_out.dtype, self._counts_stats(s.shard))
+                   None if s.param_out is None else s.param_out.dtype, self._counts_stats(s.shard), s.master.dtype)
             members.setdefault(key, []).append(s)
         names = list(self.rule.state_dtypes())
         return [
@@ -279,16 +298,18 @@ class ShardGroup:
         return out
 
     def sync_params_from_masters(self) -> None:
-        """Round the masters into the model params and all-gather them (after the masters were set)."""
+        """Round the masters into the model params and all-gather them (after the masters were set).
+        With remainders the param already is the master's high half."""
         for s in self.shards:
-            if s.param_out is not None:
+            if s.param_out is not None and not precision.is_remainder(s.master):
                 s.param_out.copy_(s.master)
         self.start_param_sync(force_sync=True)
         self.finish_param_sync()
 
     def gather_main_params(self) -> dict[str, torch.Tensor]:
         """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
-        masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): s.master for s in self.shards}
+        masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): self._master_values(s)
+                   for s in self.shards}
 
         def master_of(src: GradSource, shard: LocalShard) -> torch.Tensor:
             key = (id(src), shard.buffer_index, shard.bucket_index)
@@ -303,7 +324,9 @@ class ShardGroup:
     def reload_model_params(self) -> None:
         """Re-copy the model params (e.g. after loading a model checkpoint) into the fp32 masters."""
         for s in self.shards:
-            if s.param_out is not None:
+            if precision.is_remainder(s.master):
+                s.master.zero_()  # the master is exactly the bf16 param
+            elif s.param_out is not None:
                 s.master.copy_(s.param_out)
 
     # ----------------------------------------------------------------- state dict (same DP size)
@@ -329,7 +352,9 @@ class ShardGroup:
             "update_rule": {"name": self.rule.name, "hyperparameters": self.rule.hyperparameters()},
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "step": int(self.step.item()),
-            "shards": [{"master": s.master.detach().cpu().clone(),
+            # Masters as fp32 values and state in its own dtype: a load converts into whatever this
+            # optimizer keeps (fp32 <-> 16-bit moments, remainders).
+            "shards": [{"master": self._master_values(s).detach().cpu().clone(),
                         **{k: v.detach().cpu().clone() for k, v in s.state.items()}} for s in self.shards],
         }
 
@@ -367,11 +392,15 @@ class ShardGroup:
             group.update(saved)
         self.step.fill_(int(state_dict["step"]))
         for s, saved in zip(self.shards, state_dict["shards"]):
-            s.master.copy_(saved["master"])
+            master = saved["master"].to(device=s.shard.grad.device, dtype=torch.float32)
             for name, t in s.state.items():
-                t.copy_(saved[name])
-            if s.param_out is not None:
-                s.param_out.copy_(s.master)
+                t.copy_(saved[name])  # converts fp32 <-> 16-bit
+            if s.master.dtype == torch.float32:
+                s.master.copy_(master)
+                if s.param_out is not None:
+                    s.param_out.copy_(master)
+            else:
+                precision.store_master(master, s.master, s.param_out)
 
 
 __all__ = ["ShardGroup", "ShardState", "LaunchGroup", "PieceState", "counts_in_norm"]

@@ -46,19 +46,37 @@ class UpdateRule(abc.ABC):
 
 @dataclass(frozen=True)
 class AdamW(UpdateRule):
-    """torch.optim.AdamW's formula (decoupled weight decay); Megatron-LM's optimizer='adam'."""
+    """torch.optim.AdamW's formula (decoupled weight decay); Megatron-LM's optimizer='adam'.
+
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (Megatron-LM's precision-aware optimizer) store the
+    moments in bf16 or fp16: pass 2 widens them to fp32, updates and rounds once on store, to
+    nearest even or, with ``stochastic_rounding``, stochastically (bf16 moments only).
+    """
 
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
+    stochastic_rounding: bool = False
     name: ClassVar[str] = "adam"
 
+    def __post_init__(self) -> None:
+        for field_name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, field_name) not in ops.STATE_DTYPES:
+                raise ValueError(f"AdamW.{field_name}={getattr(self, field_name)}: use one of {ops.STATE_DTYPES}.")
+
     def state_dtypes(self) -> dict[str, torch.dtype]:
-        return {"exp_avg": torch.float32, "exp_avg_sq": torch.float32}
+        return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype}
+
+    def hyperparameters(self) -> dict[str, Any]:
+        out = super().hyperparameters()
+        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in out.items()}
 
     def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
         ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, step=step,
-                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, found_inf=found_inf, backend=backend)
+                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, found_inf=found_inf,
+                               stochastic_rounding=self.stochastic_rounding, backend=backend)
 
 
 @dataclass(frozen=True)
@@ -99,7 +117,10 @@ UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SG
 def update_rule_from_config(config: Any) -> UpdateRule:
     """The rule an OptimizerConfig asks for, with its hyperparameters."""
     if config.optimizer == "adam":
-        return AdamW(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps)
+        return AdamW(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps,
+                     exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
+                     exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
+                     stochastic_rounding=getattr(config, "stochastic_rounding", False))
     if config.optimizer == "sgd":
         return SGD(momentum=config.sgd_momentum)
     if config.optimizer == "lion":
