@@ -47,18 +47,15 @@ def _launch(launcher_args: list[str], log_json, out_dir, name: str) -> tuple[sub
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the launcher (torchrun then stops its workers), SIGKILL its process group if it lingers."""
+    """A launcher still running: SIGTERM it (torchrun then stops its workers), SIGKILL its process group
+    if it lingers (while it is alive and unreaped, so the group id is still ours)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def _run_launchers(launchers: list[list[str]], log_json, out_dir, name: str) -> list[str]:
