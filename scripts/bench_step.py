@@ -146,9 +146,20 @@ class Variant:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
+# --mo-states: megatron_opt's optimizer-state options (Megatron-LM's precision-aware optimizer fields).
+MO_STATES = {
+    "fp32": dict(),
+    "bf16": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                 store_param_remainders=False),
+    "bf16+rem": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
+}
+MO_STATE_LABELS = {"fp32": "", "bf16": " [bf16 m,v]", "bf16+rem": " [bf16 m,v + remainders]"}
+
+
 class MegatronOpt(Variant):
-    def __init__(self, model, args, device, overlap: bool) -> None:
-        self.name = "megatron_opt+overlap" if overlap else "megatron_opt"
+    def __init__(self, model, args, device, overlap: bool, state: str = "fp32") -> None:
+        self.name = ("megatron_opt+overlap" if overlap else "megatron_opt") + MO_STATE_LABELS[state]
         self.bf16 = args.dtype == "bf16"
         if self.bf16:
             model.to(torch.bfloat16)
@@ -160,7 +171,7 @@ class MegatronOpt(Variant):
         opt_cfg = mo.OptimizerConfig(
             optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.beta1,
             adam_beta2=args.beta2, adam_eps=args.eps, clip_grad=args.clip_grad, bf16=self.bf16,
-            use_distributed_optimizer=True,
+            use_distributed_optimizer=True, **MO_STATES[state],
         )
         self.opt = mo.get_megatron_optimizer(opt_cfg, self.ddp)
         self.model = model
@@ -476,9 +487,13 @@ def device_description(device: torch.device, load_at_start: Optional[float]) -> 
 
 def expected_bytes_per_param(name: str, dtype: str, d: int) -> str:
     if name.startswith("megatron_opt"):
-        if dtype == "fp32":  # the fp32 master aliases the param buffer: no extra copy
-            return f"8+8/d = {8 + 8 / d:.2f}"
-        return f"6+12/d = {6 + 12 / d:.2f}"
+        # param + fp32 grad, then per owned element: master (none for fp32 params: it aliases the
+        # param; 2 for a remainder; 4 for an fp32 copy) + the two moments (4 or 2 bytes each)
+        moments = 4 if "bf16 m,v" in name else 8
+        if dtype == "fp32":
+            return f"8+{moments}/d = {8 + moments / d:.2f}"
+        master = 2 if "remainders" in name else 4
+        return f"6+{master + moments}/d = {6 + (master + moments) / d:.2f}"
     if name == "ddp+zero":  # fp32 params (autocast under bf16), grads as DDP bucket views, m+v sharded
         return f"8+8/d = {8 + 8 / d:.2f}"
     return f"16/d = {16 / d:.2f}"  # FSDP2: fp32 sharded params, grads and m+v (bf16 copies are transient)
@@ -517,8 +532,16 @@ def main() -> None:
     p.add_argument("--mo-overlap-bucket-size", type=int, default=None,
                    help="bucket size in elements for megatron_opt+overlap (default: Megatron's, "
                         "max(40M, 1M*DP), i.e. one bucket for the default model)")
+    p.add_argument("--mo-states", default="fp32",
+                   help="comma-separated megatron_opt optimizer-state options to run side by side: fp32 (default), "
+                        "bf16 (bf16 moments, fp32 masters), bf16+rem (bf16 moments, bf16 params + 16-bit remainders; "
+                        "Megatron-LM's precision-aware optimizer)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
+    args.mo_states = [s.strip() for s in args.mo_states.split(",") if s.strip()]
+    unknown = [s for s in args.mo_states if s not in MO_STATES]
+    if unknown or not args.mo_states:
+        p.error(f"--mo-states: unknown option(s) {unknown}; choose from {', '.join(MO_STATES)}")
     if args.warmup < 1 or args.steps < 1 or args.profile_steps < 0:
         p.error("--warmup and --steps must be at least 1, --profile-steps at least 0")
 
@@ -560,7 +583,10 @@ def main() -> None:
     eval_batch = make_batch()
     profile_batches = [make_batch() for _ in range(args.profile_steps)]
 
-    makers: list[tuple[str, Callable]] = [("megatron_opt", lambda m: MegatronOpt(m, args, device, overlap=False))]
+    makers: list[tuple[str, Callable]] = [
+        ("megatron_opt" + MO_STATE_LABELS[state], lambda m, state=state: MegatronOpt(m, args, device, overlap=False,
+                                                                                   state=state))
+        for state in args.mo_states]
     if args.mo_overlap:
         makers.append(("megatron_opt+overlap", lambda m: MegatronOpt(m, args, device, overlap=True)))
     makers += [("ddp+zero", lambda m: DdpZero(m, args, device)), ("fsdp2", lambda m: Fsdp2(m, args, device))]

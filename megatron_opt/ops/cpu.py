@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import reference
+from . import precision, reference
 from .common import gaps_kept, is_skipped, sum_of_squares, zero_gaps
 from .piece_table import PieceTable
 
@@ -67,13 +67,6 @@ def adamw_step(
     found_inf: Optional[torch.Tensor] = None,
     stochastic_rounding: bool = False,
 ) -> None:
-    if master.dtype != torch.float32 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        # 16-bit state: torch's fused CPU AdamW needs one dtype for params and state, so the reference
-        # runs it (widen, update, round: a few vector ops over the shard).
-        reference.adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr, weight_decay=weight_decay,
-                             grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf,
-                             stochastic_rounding=stochastic_rounding)
-        return
     span = table.span()
     if span is None or is_skipped(found_inf):
         return
@@ -83,13 +76,20 @@ def adamw_step(
     by_group: dict[int, list] = {}
     for s, e, gid in table.group_runs():
         by_group.setdefault(gid, []).append((s - a, e - a))
+    po = None if param_out is None else param_out[a:b]
     with gaps_kept(table, master, exp_avg, exp_avg_sq, param_out):
+        # 16-bit state (ops/precision.py): torch's fused loop needs fp32 params and state, so it runs
+        # on widened copies (views when already fp32), which are rounded back once afterwards.
+        w, m, v = precision.load_master(master[a:b], po), exp_avg[a:b].float(), exp_avg_sq[a:b].float()
         for gid, runs in by_group.items():
             torch._fused_adamw_(
-                [master[a + s : a + e] for s, e in runs], [g[s:e] for s, e in runs],
-                [exp_avg[a + s : a + e] for s, e in runs], [exp_avg_sq[a + s : a + e] for s, e in runs], [],
-                [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
+                [w[s:e] for s, e in runs], [g[s:e] for s, e in runs], [m[s:e] for s, e in runs],
+                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
                 weight_decay=float(weight_decay[gid]), eps=eps, amsgrad=False, maximize=False,
             )
-        if param_out is not None:
-            param_out[a:b].copy_(master[a:b])
+        if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+            index = torch.arange(a, b) if stochastic_rounding else None
+            step_i = int(step.reshape(())) if stochastic_rounding else 0
+            precision.store_state(m, exp_avg[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=0)
+            precision.store_state(v, exp_avg_sq[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=1)
+        precision.store_master(w, master[a:b], po)

@@ -33,23 +33,22 @@ def is_remainder(master: torch.Tensor) -> bool:
 
 
 def join_remainder(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master from a bf16 param and its int16 remainder (a new tensor)."""
-    high = param.view(torch.int16).to(torch.int32) & 0xFFFF
-    high = high - (remainder < 0).to(torch.int32)
-    bits = (high.to(torch.int64) << 16) | (remainder.to(torch.int64) & 0xFFFF)
-    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # reinterpret as signed 32-bit
-    return bits.to(torch.int32).view(torch.float32)
+    """The fp32 master from a bf16 param and its int16 remainder (a new tensor).
+
+    In 32-bit two's complement, (param bits << 16) + sign-extended remainder is exactly
+    (param bits - (remainder < 0)) << 16 | (remainder & 0xffff).
+    """
+    bits = (param.view(torch.int16).to(torch.int32) << 16) + remainder.to(torch.int32)
+    return bits.view(torch.float32)
 
 
 def split_remainder(master: torch.Tensor, param_out: torch.Tensor, remainder_out: torch.Tensor) -> None:
-    """Write the bf16 param and the int16 remainder of fp32 ``master`` (inverse of join_remainder)."""
-    bits = master.contiguous().view(torch.int32).to(torch.int64) & _M32
-    low = bits & 0xFFFF
-    low_signed = torch.where(low >= 2**15, low - 2**16, low)
-    high = ((bits >> 16) + (low_signed < 0).to(torch.int64)) & 0xFFFF
-    high = torch.where(high >= 2**15, high - 2**16, high)
-    param_out.copy_(high.to(torch.int16).view(torch.bfloat16))
-    remainder_out.copy_(low_signed.to(torch.int16))
+    """Write the bf16 param and the int16 remainder of fp32 ``master`` (inverse of join_remainder):
+    the remainder is the low half read as a signed int16, the param the high half of bits - remainder."""
+    bits = master.contiguous().view(torch.int32)
+    low = bits.to(torch.int16)  # the low 16 bits, as a signed value
+    remainder_out.copy_(low)
+    param_out.view(torch.int16).copy_(((bits - low.to(torch.int32)) >> 16).to(torch.int16))
 
 
 def load_master(master: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
