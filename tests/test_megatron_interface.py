@@ -43,7 +43,7 @@ def test_megatron_core_configs_convert_field_by_field():
 
 
 @pytest.mark.parametrize("make, field", [
-    (lambda: CoreDDPConfig(num_distributed_optimizer_instances=2, use_distributed_optimizer=True),
+    (lambda: CoreDDPConfig(num_distributed_optimizer_instances=2),  # partial sharding needs the distributed optimizer
      "num_distributed_optimizer_instances"),
     (lambda: CoreDDPConfig(fp8_param_gather=True), "fp8_param_gather"),
     (lambda: CoreOptimizerConfig(lr=1e-3, decoupled_weight_decay=False), "decoupled_weight_decay"),

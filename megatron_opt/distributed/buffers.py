@@ -3,6 +3,12 @@
 After construction every param's ``.data`` is a view into ``param_data`` and ``param.main_grad``
 is a view into ``grad_data``. Buckets are the unit of communication; each carries its own
 launch state so a gradient arriving after its bucket was sent is caught, not lost.
+
+With partial sharding (``inter_group`` set) a bucket's gradient reduction is two collectives: the
+reduce-scatter over ``group`` (one optimizer instance), then the all-reduce of this rank's shard over
+``inter_group`` (the ranks holding the same shard in the other instances). The all-reduce may only
+start once the reduce-scatter has finished, and the bucket's gradients are ready only when both have;
+the param all-gather stays within ``group``.
 """
 from __future__ import annotations
 
@@ -30,7 +36,9 @@ class Bucket:
         self.grad_shard = buffer.grad_data[shard.start : shard.end]
         self.param_shard = buffer.param_data[shard.start : shard.end]
         self._pending: set[int] = set()
-        self.grad_handle = None
+        self.grad_handle = None  # the reduction over the buffer's group (one instance)
+        self.inter_handle = None  # the all-reduce over the inter-instance group, once launched
+        self._inter_target: Optional[torch.Tensor] = None  # what the inter all-reduce still has to reduce
         self.param_handle = None
         self.reset()
 
@@ -41,6 +49,8 @@ class Bucket:
     def reset(self) -> None:
         self._pending = {id(p) for p in self.params}
         self.grad_handle = None
+        self.inter_handle = None
+        self._inter_target = None
 
     @property
     def all_ready(self) -> bool:
@@ -59,12 +69,40 @@ class Bucket:
             self.grad_data.mul_(self.buffer.grad_prescale)
         if self.buffer.reduce_scatter and not all_reduce:
             self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group, async_op)
+            target = self.grad_shard
         else:
             self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)
+            target = self.grad_data  # force_all_reduce: every rank holds the whole bucket, so reduce all of it
+        if self.buffer.inter_group is not None:
+            self._inter_target = target
+            if not async_op:
+                self.start_inter_sync(block=True)
+
+    def start_inter_sync(self, block: bool) -> bool:
+        """Launch the inter-instance all-reduce of this bucket once its intra-instance reduction has
+        finished (``block``: wait for it; else only if it already has). True when nothing is left to
+        launch. The caller launches buckets' inter all-reduces in bucket order, so every member of an
+        inter-instance group issues them in the same order."""
+        if self._inter_target is None:
+            return True
+        if not block:
+            done = getattr(self.grad_handle, "is_completed", None)
+            if done is None or not done():
+                return False
+        # The all-reduce must read the reduce-scatter's result: wait for it first (on CUDA this orders
+        # the streams; the all-reduce is then issued after it).
+        self.grad_handle.wait()
+        target, self._inter_target = self._inter_target, None
+        self.inter_handle = collectives.all_reduce(target, self.buffer.inter_group, async_op=True)
+        return True
 
     def finish_grad_sync(self) -> None:
         self.start_grad_sync(async_op=False)
-        self.grad_handle.wait()
+        if self.buffer.inter_group is None:
+            self.grad_handle.wait()
+            return
+        self.start_inter_sync(block=True)
+        self.inter_handle.wait()
 
     def start_param_sync(self, async_op: bool) -> None:
         if self.buffer.shard_count == 1:
@@ -87,7 +125,13 @@ class ParamAndGradBuffer:
         group: Optional[torch.distributed.ProcessGroup],
         reduce_scatter: bool,
         is_expert_parallel: bool = False,
+        inter_group: Optional[torch.distributed.ProcessGroup] = None,
+        data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
     ) -> None:
+        """``group``: the ranks that shard this buffer (reduce-scatter and all-gather); with partial
+        sharding, one optimizer instance. ``inter_group``: the ranks holding the same shard in the
+        other instances (None without partial sharding). ``data_parallel_group``: every rank whose
+        gradient enters the sum (the group itself without partial sharding)."""
         if len(params) != len(layout.numels):
             raise ValueError("layout and params disagree")
         self.params = params
@@ -96,14 +140,18 @@ class ParamAndGradBuffer:
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.group = group
+        self.inter_group = inter_group
+        self.data_parallel_group = group if inter_group is None else data_parallel_group
         self.reduce_scatter = reduce_scatter
         self.is_expert_parallel = is_expert_parallel
         self.shard_count = layout.shard_count
         self.rank = collectives.rank(group) if reduce_scatter else 0
-        # 16-bit gradients are divided by the group size before their reduction, as Megatron-LM does,
-        # so the sum cannot overflow where the average would not; the optimizer folds the factor back
-        # into its unscale scalar. fp32 buffers stay on the exact deferred path (no pass at all).
-        ranks = collectives.world_size(group)
+        # 16-bit gradients are divided by the number of summed ranks (the whole data-parallel group,
+        # every instance included) before their reduction, as Megatron-LM does, so the sum cannot
+        # overflow where the average would not; the optimizer folds the factor back into its unscale
+        # scalar. fp32 buffers stay on the exact deferred path (no pass at all).
+        ranks = collectives.world_size(group) * (collectives.world_size(inter_group) if inter_group is not None else 1)
+        self.reduce_ranks = ranks
         self.grad_prescale = 1.0 / ranks if grad_dtype in (torch.float16, torch.bfloat16) and ranks > 1 else 1.0
         device = params[0].device
         self.param_data = torch.zeros(layout.numel, dtype=self.param_dtype, device=device)

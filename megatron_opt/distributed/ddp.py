@@ -6,6 +6,12 @@ multiplied by, and the optimizer folds it into the one unscale scalar of its two
 ``param.main_grad`` holds the raw sum; the logical gradient is ``main_grad * grad_scale_factor``.
 16-bit gradient buffers are the exception: each bucket is divided by the group size just before its
 reduction (``ParamAndGradBuffer.grad_prescale``), so there ``main_grad`` holds the sum / DP.
+
+Partial sharding (``num_distributed_optimizer_instances = k > 1``, Megatron-LM's partial distributed
+optimizer): the data-parallel ranks form k instances of DP / k consecutive ranks; buffers are laid
+out and sharded over one instance (the intra-instance group), each bucket is reduce-scattered inside
+the instance and its shard then all-reduced across instances (the inter-instance group), and the
+param all-gather stays inside the instance. The sum, and so the 1/DP scale, is over all DP ranks.
 """
 from __future__ import annotations
 
@@ -19,8 +25,8 @@ from ..config import DistributedDataParallelConfig
 from ..errors import StepOrderError, UnsupportedConfigError
 from .. import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
-from .ddp_call import parse_ddp_call
-from .layout import build_buffer_layout
+from .ddp_call import check_instance_groups, global_ranks, instance_groups, parse_ddp_call
+from .layout import build_buffer_layout, partial_sharding
 from .shard_view import LocalShard
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,6 +49,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     ``ddp_config`` may be ours or megatron-core's DistributedDataParallelConfig (converted field by
     field; an unsupported value raises UnsupportedConfigError naming it).
+
+    With ``ddp_config.num_distributed_optimizer_instances = k > 1`` the optimizer is sharded within
+    instances of DP / k ranks and replicated across them (see the module docstring); the instance
+    groups come from megatron-core when its call shape provides them, else they are created here
+    (a collective over the data-parallel group: every rank must construct the wrapper together).
     """
 
     @overload
@@ -80,6 +91,10 @@ class DistributedDataParallel(torch.nn.Module):
             "DistributedDataParallel", self._fingerprint(named), data_parallel_group, local_error,
             fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
                 "requires_grad) with the same DistributedDataParallelConfig.")
+        # The ranks agree on the config, the DP size and whether expert params can be partially
+        # sharded, so the checks below raise on every rank or on none.
+        self.num_distributed_optimizer_instances = self.ddp_config.num_distributed_optimizer_instances
+        self.intra_instance_group, self.inter_instance_group = self._instance_groups(call, named)
         self._built_distributed = torch.distributed.is_initialized()
         self._all_buffers = self._build_buffers(named)
         self._buffer_of = {id(p): buf for buf in self._all_buffers for p in buf.params}
@@ -88,6 +103,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._local_shards: Optional[list[LocalShard]] = None
         self._sync_enabled = True
         self._launch_cursor = 0
+        self._inter_cursor = 0  # partial sharding: buckets whose inter-instance all-reduce was launched
         self._buckets = [b for buf in self._all_buffers for b in buf.buckets]
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
         self._base_grad_scale = 1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size
@@ -114,7 +130,34 @@ class DistributedDataParallel(torch.nn.Module):
         items += [(f"ddp_config.{f.name}", getattr(self.ddp_config, f.name))
                   for f in dataclasses.fields(self.ddp_config)]
         items.append(("data-parallel size", self.dp_size))
+        if self.ddp_config.num_distributed_optimizer_instances > 1:
+            items.append(("expert params share the data-parallel group", self._experts_share_dp_group(named)))
         return items
+
+    def _experts_share_dp_group(self, named: list) -> bool:
+        """True when there are no expert-parallel params, or their data-parallel group spans the same
+        ranks as the dense one (then partial sharding splits both the same way)."""
+        if all(getattr(p, "allreduce", True) for _, p in named):
+            return True
+        return sorted(global_ranks(self.expert_data_parallel_group)) == sorted(global_ranks(self.data_parallel_group))
+
+    def _instance_groups(self, call: Any, named: list) -> tuple[Any, Any]:
+        """(intra-instance, inter-instance) groups: (the data-parallel group, None) with one instance."""
+        k = self.ddp_config.num_distributed_optimizer_instances
+        if k == 1:
+            return self.data_parallel_group, None
+        partial_sharding(self.dp_size, k)  # InvalidConfigError unless k divides DP (the same on every rank)
+        if not self._experts_share_dp_group(named):
+            raise UnsupportedConfigError(
+                f"DistributedDataParallelConfig.num_distributed_optimizer_instances={k} with expert-parallel params "
+                f"(allreduce=False) whose expert_data_parallel_group differs from the data-parallel group: partial "
+                f"sharding of a separate expert data-parallel group is not implemented. Use "
+                f"num_distributed_optimizer_instances=1, or expert_data_parallel_group = data_parallel_group.")
+        intra, inter = call.intra_instance_group, call.inter_instance_group
+        if intra is None:
+            intra, inter = instance_groups(self.data_parallel_group, k)
+        check_instance_groups(self.data_parallel_group, intra, inter, k)
+        return intra, inter
 
     @staticmethod
     def _check_params(named: list) -> None:
@@ -154,7 +197,10 @@ class DistributedDataParallel(torch.nn.Module):
             bucket_size = None  # megatron-core's disable_bucketing: one bucket per buffer
         buffers = []
         for (_, grad_dtype, is_expert), members in groups.items():
-            group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
+            full_group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
+            # Partial sharding: shard over one instance (the layout is sized by it, Megatron-LM PR #6048)
+            # and all-reduce each shard across instances. Experts then share the dense groups.
+            group = self.intra_instance_group if self.inter_instance_group is not None else full_group
             shard_count = collectives.world_size(group) if cfg.use_distributed_optimizer else 1
             params = [p for _, p in members]
             layout = build_buffer_layout(
@@ -168,6 +214,7 @@ class DistributedDataParallel(torch.nn.Module):
                 ParamAndGradBuffer(
                     params, [n for n, _ in members], layout, grad_dtype, group,
                     reduce_scatter=cfg.use_distributed_optimizer, is_expert_parallel=is_expert,
+                    inter_group=self.inter_instance_group, data_parallel_group=full_group,
                 )
             )
         return buffers
@@ -233,6 +280,9 @@ class DistributedDataParallel(torch.nn.Module):
             group=buf.group, sharded=buf.reduce_scatter and buf.shard_count > 1,
             is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
             rank=buf.rank, shard_count=buf.shard_count, grad_prescale=buf.grad_prescale,
+            data_parallel_group=buf.data_parallel_group, inter_instance_group=buf.inter_group,
+            instance_count=collectives.world_size(buf.inter_group) if buf.inter_group is not None else 1,
+            instance_rank=collectives.rank(buf.inter_group) if buf.inter_group is not None else 0,
         )
 
     @property
@@ -345,8 +395,19 @@ class DistributedDataParallel(torch.nn.Module):
         while self._launch_cursor < len(self._buckets):
             bucket = self._buckets[self._launch_cursor]
             if not bucket.all_ready:
-                return
+                break
             self._launch(bucket, async_op=True)
+        self._launch_inter_syncs()
+
+    def _launch_inter_syncs(self) -> None:
+        """Partial sharding: launch the inter-instance all-reduce of every launched bucket whose
+        reduce-scatter has finished, strictly in bucket order (an unfinished one stops the scan)."""
+        if self.inter_instance_group is None:
+            return
+        while self._inter_cursor < self._launch_cursor:
+            if not self._buckets[self._inter_cursor].start_inter_sync(block=False):
+                return
+            self._inter_cursor += 1
 
     def _launch(self, bucket: Bucket, async_op: bool) -> None:
         if self.ddp_config.check_for_nan_in_grad:
@@ -368,6 +429,7 @@ class DistributedDataParallel(torch.nn.Module):
         interleaved schedules pass the chunk's params) are accepted and ignored."""
         for bucket in self._buckets[self._launch_cursor :]:
             self._launch(bucket, async_op=self.ddp_config.overlap_grad_reduce)
+        self._launch_inter_syncs()
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """Launch every bucket not yet launched (unused params contribute zeros) and wait for all.
@@ -432,6 +494,7 @@ class DistributedDataParallel(torch.nn.Module):
                 if getattr(p, "grad_added_to_main_grad", False):
                     p.grad_added_to_main_grad = False
         self._launch_cursor = 0
+        self._inter_cursor = 0
         self._nonfinite.zero_()
         self.grad_scale_factor.fill_(self._base_grad_scale)
         self._grads_received = 0
@@ -468,6 +531,6 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
-        """Make every data-parallel rank start from rank 0's parameters."""
+        """Make every data-parallel rank (of every optimizer instance) start from rank 0's parameters."""
         for buf in self._all_buffers:
-            collectives.broadcast(buf.param_data, 0, buf.group)
+            collectives.broadcast(buf.param_data, 0, buf.data_parallel_group)

@@ -5,6 +5,11 @@ expert_data_parallel_group=None)``; megatron-core's is ``(config, ddp_config, mo
 disable_bucketing=False, pg_collection=None)``. A call is megatron-core's when it names ``config``
 or ``pg_collection`` or ``disable_bucketing``, or when its first positional argument is not a
 torch module (a TransformerConfig never is); otherwise it is ours. Mixing the two is an error.
+
+With partial sharding (``num_distributed_optimizer_instances = k > 1``) a megatron-core call also
+takes the intra-instance and inter-instance groups from megatron-core (``pg_collection.intra_dp_cp``
+and ``inter_dist_opt``, or parallel_state's partial data-parallel and inter-instance groups);
+otherwise ``instance_groups`` creates them. ``check_instance_groups`` checks either kind.
 """
 from __future__ import annotations
 
@@ -14,9 +19,11 @@ from typing import Any, Optional
 
 import torch
 
+from .. import collectives
 from ..config import DistributedDataParallelConfig
-from ..errors import UnsupportedConfigError
+from ..errors import InvalidConfigError, UnsupportedConfigError
 from ..megatron.configs import as_ddp_config, check_transformer_config, starts_gradient_scale_at_one
+from .layout import partial_sharding
 
 OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group")
 MEGATRON_CORE = ("config", "ddp_config", "module", "disable_bucketing", "pg_collection")
@@ -31,6 +38,9 @@ class DDPCall:
     transformer_config: Any = None
     disable_bucketing: bool = False
     grad_scale_starts_at_one: bool = False
+    # Partial sharding (num_distributed_optimizer_instances > 1): the groups megatron-core gave, or None.
+    intra_instance_group: Optional[torch.distributed.ProcessGroup] = None
+    inter_instance_group: Optional[torch.distributed.ProcessGroup] = None
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, shape: str) -> dict[str, Any]:
@@ -58,15 +68,26 @@ def is_megatron_core_call(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _megatron_core_groups(pg_collection: Any) -> tuple[Any, Any]:
-    """(data-parallel group with context parallel, expert data-parallel group), as megatron-core's DDP
-    picks them: from pg_collection, else from parallel_state when it is initialised, else the world."""
+def _megatron_core_groups(pg_collection: Any, num_instances: int) -> tuple[Any, Any, Any, Any]:
+    """(data-parallel group with context parallel, expert data-parallel group, intra-instance group,
+    inter-instance group), as megatron-core's DDP picks them: from pg_collection, else from
+    parallel_state when it is initialised, else the world (the instance groups: None, created later)."""
     if pg_collection is not None:
         dp = getattr(pg_collection, "dp_cp", None)
         if dp is None:
             raise ValueError("DistributedDataParallel: pg_collection has no 'dp_cp' group; megatron-core's "
                              "ProcessGroupCollection.use_mpu_process_groups() builds a complete one.")
-        return dp, getattr(pg_collection, "expt_dp", None) or dp
+        intra = inter = None
+        if num_instances > 1:
+            intra = getattr(pg_collection, "intra_dp_cp", None)
+            inter = getattr(pg_collection, "inter_dist_opt", None)
+            if (intra is None) != (inter is None):
+                have, lack = ("intra_dp_cp", "inter_dist_opt") if inter is None else ("inter_dist_opt", "intra_dp_cp")
+                raise ValueError(f"DistributedDataParallel: num_distributed_optimizer_instances={num_instances} and "
+                                 f"pg_collection has '{have}' but no '{lack}'; give both (megatron-core's "
+                                 f"ProcessGroupCollection.use_mpu_process_groups() does) or neither (megatron_opt "
+                                 f"then creates them).")
+        return dp, getattr(pg_collection, "expt_dp", None) or dp, intra, inter
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None and parallel_state.model_parallel_is_initialized():
         for what, size in (("tensor", parallel_state.get_tensor_model_parallel_world_size()),
@@ -79,8 +100,19 @@ def _megatron_core_groups(pg_collection: Any) -> tuple[Any, Any]:
                     f"DistributedDataParallel implements data parallelism only. Initialise model parallelism "
                     f"with size 1.")
         dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        return dp, parallel_state.get_expert_data_parallel_group()
-    return None, None
+        intra = inter = None
+        if num_instances > 1:
+            # Sizes are checked against num_distributed_optimizer_instances by check_instance_groups: a
+            # parallel_state initialised with another instance count gives groups of other sizes.
+            intra = parallel_state.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)
+            inter = parallel_state.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+            if inter is None:
+                raise ValueError(
+                    f"DistributedDataParallel: num_distributed_optimizer_instances={num_instances} but megatron-core's "
+                    f"parallel_state has no inter-instance group: initialise it with initialize_model_parallel("
+                    f"num_distributed_optimizer_instances={num_instances}).")
+        return dp, parallel_state.get_expert_data_parallel_group(), intra, inter
+    return None, None, None, None
 
 
 def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
@@ -95,10 +127,12 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}.")
         check_transformer_config(config)
         ddp_config = as_ddp_config(bound["ddp_config"])
-        dp, expert_dp = _megatron_core_groups(bound.get("pg_collection"))
+        dp, expert_dp, intra, inter = _megatron_core_groups(bound.get("pg_collection"),
+                                                            ddp_config.num_distributed_optimizer_instances)
         return DDPCall(module, ddp_config, dp, expert_dp, transformer_config=config,
                        disable_bucketing=bool(bound.get("disable_bucketing", False)),
-                       grad_scale_starts_at_one=starts_gradient_scale_at_one(config, ddp_config))
+                       grad_scale_starts_at_one=starts_gradient_scale_at_one(config, ddp_config),
+                       intra_instance_group=intra, inter_instance_group=inter)
     bound = _bind(OURS, args, kwargs, "megatron_opt")
     if "module" not in bound:
         raise TypeError("DistributedDataParallel needs the module to wrap: DistributedDataParallel(module, ddp_config).")
@@ -110,4 +144,109 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
                    bound.get("data_parallel_group"), bound.get("expert_data_parallel_group"))
 
 
-__all__ = ["DDPCall", "parse_ddp_call", "is_megatron_core_call"]
+# ----------------------------------------------------------------------------- partial sharding groups
+_INSTANCE_GROUPS: dict[tuple, tuple] = {}
+
+
+def global_ranks(group: Optional[torch.distributed.ProcessGroup]) -> list[int]:
+    """The global ranks of ``group`` in group-rank order (None: the default group)."""
+    if not torch.distributed.is_initialized():
+        return [0]
+    if group is None or group is torch.distributed.group.WORLD:
+        return list(range(torch.distributed.get_world_size()))
+    return torch.distributed.get_process_group_ranks(group)
+
+
+def _alive(groups: tuple) -> bool:
+    try:
+        return all(torch.distributed.get_world_size(g) > 0 for g in groups)
+    except Exception:  # noqa: BLE001  (a group destroyed with its world)
+        return False
+
+
+def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_instances: int) -> tuple[Any, Any]:
+    """(intra-instance group, inter-instance group) of this rank, created once per data-parallel group
+    and instance count and then reused (every DDP over the same ranks shares them).
+
+    The data-parallel ranks, sorted, are split as megatron-core splits them (``layout.PartialSharding``):
+    instance i is the i-th block of DP / k consecutive ranks, and the ranks at the same position of
+    each block form an inter-instance group. When the data-parallel group is the whole world, every
+    rank creates every group in the same order (torch.distributed.new_group's rule); when it is a
+    subgroup, each rank creates only its own two groups with ``use_local_synchronization`` (only
+    the members take part), so ranks of other data-parallel groups need not be here at the same time.
+    """
+    ranks = sorted(global_ranks(dp_group))
+    split = partial_sharding(len(ranks), num_instances)
+    key = (id(torch.distributed.group.WORLD), tuple(ranks), num_instances)
+    cached = _INSTANCE_GROUPS.get(key)
+    if cached is not None and _alive(cached):
+        return cached
+    me = torch.distributed.get_rank()
+    whole_world = len(ranks) == torch.distributed.get_world_size()
+    backend = torch.distributed.get_backend(dp_group)
+    members = ([("intra", [ranks[r] for r in split.instance_ranks(i)]) for i in range(num_instances)]
+               + [("inter", [ranks[r] for r in split.replica_ranks(j)]) for j in range(split.shard_count)])
+    mine: dict[str, Any] = {}
+    for kind, group_ranks in members:
+        if me not in group_ranks and not whole_world:
+            continue
+        group = torch.distributed.new_group(group_ranks, backend=backend, use_local_synchronization=not whole_world)
+        if me in group_ranks:
+            mine[kind] = group
+    result = (mine["intra"], mine["inter"])
+    _INSTANCE_GROUPS[key] = result
+    return result
+
+
+def check_instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], intra: Any, inter: Any,
+                          num_instances: int) -> None:
+    """Check that ``intra`` / ``inter`` split the data-parallel group into ``num_instances`` instances:
+    one all_gather_object over the data-parallel group, and every rank raises the same
+    InvalidConfigError (naming the problem) if not. The intra groups must partition the data-parallel
+    ranks into instances of DP / k ranks; each inter group must hold one rank of every instance, all
+    at the same position (rank) in their instance, since that position is the shard they own."""
+    dp_ranks = global_ranks(dp_group)
+    split = partial_sharding(len(dp_ranks), num_instances)
+    s, k = split.shard_count, num_instances
+    me = torch.distributed.get_rank()
+    error = None
+    if intra is None or inter is None:
+        error = "no intra-instance or inter-instance group"
+    else:
+        intra_ranks, inter_ranks = global_ranks(intra), global_ranks(inter)
+        if me not in intra_ranks or me not in inter_ranks:
+            error = "this rank is not a member of its intra-instance or inter-instance group"
+    mine = (error, None if error else tuple(intra_ranks), None if error else tuple(inter_ranks))
+    everyone = [mine]
+    if collectives.world_size(dp_group) > 1:
+        everyone = [None] * collectives.world_size(dp_group)
+        torch.distributed.all_gather_object(everyone, mine, group=dp_group)
+    fix = (f"with num_distributed_optimizer_instances={k} at data-parallel size {len(dp_ranks)}, each instance "
+           f"(intra group) is {s} data-parallel ranks and each inter-instance group is the {k} ranks holding the same "
+           f"shard, one per instance. Initialise megatron-core's parallel_state (or build pg_collection) with "
+           f"num_distributed_optimizer_instances={k}, or pass no groups and let megatron_opt create them.")
+    problems = [f"rank {dp_ranks[r]}: {e}" for r, (e, _, _) in enumerate(everyone) if e is not None]
+    if not problems:
+        intra_of = {dp_ranks[r]: a for r, (_, a, _) in enumerate(everyone)}
+        inter_of = {dp_ranks[r]: b for r, (_, _, b) in enumerate(everyone)}
+        for rank in dp_ranks:
+            a, b = intra_of[rank], inter_of[rank]
+            if len(a) != s or len(b) != k:
+                problems.append(f"rank {rank}'s intra-instance group has {len(a)} ranks and its inter-instance "
+                                f"group {len(b)} (expected {s} and {k})")
+            elif not set(a) <= set(dp_ranks) or not set(b) <= set(dp_ranks):
+                problems.append(f"rank {rank}'s instance groups {list(a)} / {list(b)} reach outside the "
+                                f"data-parallel group {dp_ranks}")
+            elif any(intra_of[m] != a for m in a) or any(inter_of[m] != b for m in b):
+                problems.append(f"rank {rank}'s instance groups {list(a)} / {list(b)} differ from their members' own")
+            elif len({intra_of[m].index(m) for m in b}) != 1 or len({intra_of[m] for m in b}) != k:
+                problems.append(f"the inter-instance group {list(b)} does not hold one rank of every instance at the "
+                                f"same position (shard)")
+            if problems:
+                break
+    if problems:
+        raise InvalidConfigError(f"DistributedDataParallel: the partial-sharding groups are wrong: {problems[0]}; {fix}")
+
+
+__all__ = ["DDPCall", "parse_ddp_call", "is_megatron_core_call", "instance_groups", "check_instance_groups",
+           "global_ranks"]

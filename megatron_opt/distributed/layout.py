@@ -6,7 +6,9 @@ registration order (the order backward produces their grads), each start aligned
 bucket end is padded to a multiple of lcm(64 * shard_count, 128) (see ``bucket_alignment``), so the
 bucket splits into ``shard_count`` equal contiguous shards (gloo's reduce-scatter needs equal
 chunks) and every shard size, hence every shard start, is a multiple of 64 elements for every
-shard count. Shards ignore param boundaries: a param may straddle ranks.
+shard count. Shards ignore param boundaries: a param may straddle ranks. ``shard_count`` is the
+data-parallel size, or with partial sharding (``num_distributed_optimizer_instances = k``) the size
+of one optimizer instance, DP / k (``PartialSharding``).
 
 Why 64: the CUDA kernels take their 16-byte vector path only when every array of a launch has the
 same element phase. A 16-byte vector is 4 fp32 or 8 16-bit elements; master weights and moments are
@@ -21,6 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from ..errors import InvalidConfigError
 
 PARAM_ALIGN = 64  # elements; keeps every param start 128-byte aligned for bf16, 256 for fp32
 SHARD_ALIGN = 64  # elements; every shard size and start is a multiple (same reason as PARAM_ALIGN)
@@ -100,6 +104,55 @@ class BufferLayout:
                 )
             )
         return pieces
+
+
+@dataclass(frozen=True)
+class PartialSharding:
+    """How ``num_instances`` optimizer instances split ``dp_size`` data-parallel ranks (pure rank math).
+
+    As megatron-core's ``initialize_model_parallel(num_distributed_optimizer_instances=k)``: instance
+    i is the consecutive block of data-parallel ranks ``[i*s, (i+1)*s)``, ``s = dp_size / k``, and
+    shards every bucket over its ``s`` ranks (``shard_count``). The ranks holding the same shard in
+    each instance (``shard_rank`` j: ranks ``j, j+s, j+2s, ...``) form the inter-instance group that
+    all-reduces that shard. Ranks here are positions in the (sorted) data-parallel group.
+    """
+
+    dp_size: int
+    num_instances: int
+
+    @property
+    def shard_count(self) -> int:
+        """Shards per bucket: the size of one instance. The layout must be sized by this, not by
+        dp_size, or the trailing shards would belong to no rank (Megatron-LM PR #6048)."""
+        return self.dp_size // self.num_instances
+
+    def instance_of(self, dp_rank: int) -> int:
+        return dp_rank // self.shard_count
+
+    def shard_rank_of(self, dp_rank: int) -> int:
+        """The shard this rank owns in every bucket (its rank in its instance)."""
+        return dp_rank % self.shard_count
+
+    def instance_ranks(self, instance: int) -> list[int]:
+        """The data-parallel ranks of one instance (the intra-instance group), in shard order."""
+        return list(range(instance * self.shard_count, (instance + 1) * self.shard_count))
+
+    def replica_ranks(self, shard_rank: int) -> list[int]:
+        """The data-parallel ranks that hold shard ``shard_rank``, one per instance (the inter-instance group)."""
+        return list(range(shard_rank, self.dp_size, self.shard_count))
+
+
+def partial_sharding(dp_size: int, num_instances: int) -> PartialSharding:
+    """The instance split of ``dp_size`` ranks; InvalidConfigError unless ``num_instances`` divides it."""
+    if dp_size < 1:
+        raise ValueError(f"the data-parallel size must be >= 1, got {dp_size}")
+    if num_instances < 1 or dp_size % num_instances:
+        divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+        raise InvalidConfigError(
+            f"DistributedDataParallelConfig.num_distributed_optimizer_instances={num_instances} does not divide the "
+            f"data-parallel size {dp_size}: each optimizer instance shards over dp_size / "
+            f"num_distributed_optimizer_instances ranks. Use one of {divisors}, or change the number of ranks.")
+    return PartialSharding(dp_size, num_instances)
 
 
 def bucket_alignment(shard_count: int, pad_for_high_nccl_busbw: bool = False) -> int:

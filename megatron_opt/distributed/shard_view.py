@@ -41,9 +41,17 @@ class LocalShard:
     is_expert_parallel: bool
     buffer_index: int
     bucket_index: int
-    rank: int  # this rank's index among the bucket's shard owners (0 when not sharded)
-    shard_count: int
+    rank: int  # this rank's index among the bucket's shard owners, i.e. in ``group`` (0 when not sharded)
+    shard_count: int  # shards per bucket: the size of ``group`` (DP / num_distributed_optimizer_instances)
     grad_prescale: float = 1.0  # what the gradients were multiplied by before their reduction (16-bit: 1/DP)
+    # Partial sharding (num_distributed_optimizer_instances = k > 1). ``group`` is then one optimizer
+    # instance (DP / k ranks), which holds the whole model once: statistics summed over ``group`` count
+    # every element once. After the gradient sync the ranks of ``inter_instance_group`` (one per
+    # instance, all holding this same shard) hold bitwise the same reduced gradient.
+    data_parallel_group: Optional[torch.distributed.ProcessGroup] = None  # every rank summed into the gradient
+    inter_instance_group: Optional[torch.distributed.ProcessGroup] = None  # None with one instance
+    instance_count: int = 1  # k: optimizer instances holding a copy of this shard
+    instance_rank: int = 0  # this rank's instance (its rank in inter_instance_group)
 
     @property
     def numel(self) -> int:
