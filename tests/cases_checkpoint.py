@@ -16,6 +16,9 @@ PRECISIONS = {
     "fp32": dict(dtype=torch.float32, opt=dict()),
     "bf16": dict(dtype=torch.bfloat16, opt=dict(bf16=True)),
     "fp16": dict(dtype=torch.float16, opt=dict(fp16=True, initial_loss_scale=2.0**12, loss_scale_window=2)),
+    # precision-aware state: bf16 moments, bf16 params + int16 remainders as masters
+    "bf16_rem": dict(dtype=torch.bfloat16, opt=dict(bf16=True, use_precision_aware_optimizer=True,
+                                                    exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
 }
 MB, GA = 2, 2
 

@@ -33,7 +33,8 @@ def _equal_digest(a: dict, b: dict, where: str) -> None:
 
 # ----------------------------------------------------------------------------- bit-exact resume
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("precision, async_save", [("fp32", False), ("bf16", True), ("fp16", False), ("fp16", True)])
+@pytest.mark.parametrize("precision, async_save", [("fp32", False), ("bf16", True), ("fp16", False), ("fp16", True),
+                                                   ("bf16_rem", True)])
 def test_resume_is_bit_exact(pools, tmp_path, world, precision, async_save):
     pool = pools(world)
     straight = pool.run(cc.resume_case, str(tmp_path), precision, "straight", STEPS, async_save)
@@ -47,7 +48,7 @@ def test_resume_is_bit_exact(pools, tmp_path, world, precision, async_save):
 
 
 # ----------------------------------------------------------------------------- resharding
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16_rem"])
 def test_reshard_from_dp2_to_dp3_1_4_and_unsharded(pools, tmp_path, precision):
     saved = tmp_path / "dp2"
     straight = pools(2).run(cc.save_after_steps, str(saved), precision, 3)
@@ -69,6 +70,24 @@ def test_reshard_from_dp2_to_dp3_1_4_and_unsharded(pools, tmp_path, precision):
             tol = 1e-6 if precision == "fp32" else 1e-2
             for a, b in zip(straight[0]["params"], results[0]["params"]):
                 assert torch.allclose(a.float(), b.float(), rtol=tol, atol=tol), "DP=2 unsharded continuation"
+
+
+def test_16_bit_state_loads_fp32_state_and_back(pools, tmp_path):
+    """A checkpoint of fp32 moments loads into bf16 moments with remainders (rounded to nearest; the
+    masters exactly, as fp32 values), and that state saved again loads into fp32 moments (widened)."""
+    saved, sixteen, back = tmp_path / "fp32_state", tmp_path / "bf16_state", tmp_path / "fp32_again"
+    pools(2).run(cc.save_after_steps, str(saved), "bf16", 2)
+    pools(3).run(cc.load_resharded, str(saved), str(sixteen), "bf16_rem", True)
+    pools(2).run(cc.load_resharded, str(sixteen), str(back), "bf16", True)
+    for what in ("exp_avg", "exp_avg_sq"):
+        original, rounded, widened = (ckpt.read_tensors(p, what) for p in (saved, sixteen, back))
+        for name, t in original.items():
+            assert rounded[name].dtype == torch.bfloat16 and torch.equal(rounded[name], t.to(torch.bfloat16)), name
+            assert widened[name].dtype == torch.float32 and torch.equal(widened[name], rounded[name].float()), name
+    masters = [ckpt.read_tensors(p, "master") for p in (saved, sixteen, back)]
+    for name, t in masters[0].items():
+        assert t.dtype == torch.float32
+        assert torch.equal(masters[1][name], t) and torch.equal(masters[2][name], t), name
 
 
 def test_lion_state_reshards(pools, tmp_path):

@@ -138,7 +138,7 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
                     continue
                 ps = pieces.get((e.chunk, e.name))
                 key = f"optim/{st}/{e.key}"
-                flat = own(key, ps.tensors[st]) if ps is not None else torch.empty(0, device=e.param.device)
+                flat = own(key, ps.values(st)) if ps is not None else torch.empty(0, device=e.param.device)
                 sd[key] = ParamChunk(flat, e.param.shape, ps.param_start if ps is not None else 0)
         sd["optim/scalars"] = optimizer.scalar_state()
     if scheduler is not None:
@@ -148,10 +148,24 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
     return sd
 
 
-def _owned(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> list[tuple[str, torch.Tensor, torch.Size, int]]:
-    """(checkpoint key, live tensor, param shape, piece start) for every piece this rank owns: the
-    model params' pieces without an optimizer (a model-only load), else the optimizer state's, since
-    the params are then the rounded masters (what was saved as the model too)."""
+@dataclass(frozen=True)
+class _Owned:
+    """One piece this rank owns in a load: its key, how it is read (dtype, size) and written back."""
+
+    key: str
+    dtype: torch.dtype  # the checkpoint's value dtype (fp32 for masters, whatever their storage)
+    numel: int
+    device: torch.device
+    shape: torch.Size
+    start: int
+    write: Any  # callable(values): stores the values into the live model / optimizer
+
+
+def _owned(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> list[_Owned]:
+    """Every piece this rank owns: the model params' pieces without an optimizer (a model-only load),
+    else the optimizer state's, since the params are then the rounded masters (what was saved as the
+    model too). Masters are read as fp32 values and stored in whatever form the optimizer keeps them
+    (fp32, fp16, bf16 param + remainder); 16-bit moments are read in their dtype (DCP converts)."""
     entries = param_entries(chunks)
     if optimizer is None:
         model_pieces = _model_pieces(chunks)
@@ -159,14 +173,17 @@ def _owned(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> list[tuple
         for e in entries:
             if (e.chunk, e.name) in model_pieces:
                 view, start = model_pieces[(e.chunk, e.name)]
-                out.append((f"model/{e.key}", view, e.param.shape, start))
+                out.append(_Owned(f"model/{e.key}", view.dtype, view.numel(), view.device, e.param.shape, start,
+                                  view.copy_))
         return out
     pieces = _pieces_by_param(optimizer, chunks)
     out = []
     for e in entries:
         ps = pieces.get((e.chunk, e.name))
         if ps is not None:
-            out += [(f"optim/{st}/{e.key}", t, e.param.shape, ps.param_start) for st, t in ps.tensors.items()]
+            for st, t in ps.tensors.items():
+                out.append(_Owned(f"optim/{st}/{e.key}", ps.value_dtype(st), t.numel(), t.device, e.param.shape,
+                                  ps.param_start, lambda values, ps=ps, st=st: ps.write(st, values)))
     return out
 
 
@@ -179,15 +196,15 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     # whole when the load returns. Piece-sized allocations landed in the malloc heap, interleaved
     # with DCP's per-item read buffers, and the freed copy stayed resident after the load.
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
-    for _, live, _, _ in owned:
-        sizes[(live.dtype, live.device)] = sizes.get((live.dtype, live.device), 0) + live.numel()
+    for o in owned:
+        sizes[(o.dtype, o.device)] = sizes.get((o.dtype, o.device), 0) + o.numel
     flat = {k: torch.empty(n, dtype=k[0], device=k[1]) for k, n in sizes.items()}
     used = dict.fromkeys(sizes, 0)
     dest: dict[str, Any] = {}
-    for key, live, shape, start in owned:
-        k, n = (live.dtype, live.device), live.numel()
-        dest[key] = ParamChunk(flat[k][used[k] : used[k] + n], shape, start)
-        used[k] += n
+    for o in owned:
+        k = (o.dtype, o.device)
+        dest[o.key] = ParamChunk(flat[k][used[k] : used[k] + o.numel], o.shape, o.start)
+        used[k] += o.numel
     if optimizer is not None:
         dest["optim/scalars"] = None
     if scheduler is not None:
@@ -218,8 +235,8 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
                        scheduler: Optional[Any]) -> None:
     """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
     with torch.no_grad():
-        for key, live, _, _ in _owned(chunks, optimizer):
-            live.copy_(dest[key].flat)
+        for o in _owned(chunks, optimizer):
+            o.write(dest[o.key].flat)
         if optimizer is None:  # every rank loaded its own part of the params: gather the rest
             for chunk in chunks:
                 chunk.start_param_sync(force_sync=True)

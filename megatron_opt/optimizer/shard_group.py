@@ -55,13 +55,33 @@ class LaunchGroup:
 
 @dataclass(frozen=True)
 class PieceState:
-    """One owned param piece with its optimizer state: views over the piece's elements."""
+    """One owned param piece with its optimizer state: views over the piece's elements.
+
+    ``tensors['master']`` is the master's storage (fp32, fp16, or an int16 remainder of the bf16
+    param); ``values`` / ``write`` read and store masters as fp32 values whatever the storage, and
+    the update rule's state in its own dtype (``write`` converts)."""
 
     source: GradSource
     name: str
     param: torch.nn.Parameter
     param_start: int  # where the piece starts in the flattened param
     tensors: dict[str, torch.Tensor]  # 'master' and the update rule's state, 1-D views
+    param_view: Optional[torch.Tensor] = None  # the piece of the model-dtype param shard (16-bit params)
+
+    def value_dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name == "master" else self.tensors[name].dtype
+
+    def values(self, name: str) -> torch.Tensor:
+        if name == "master":
+            return precision.load_master(self.tensors[name], self.param_view)
+        return self.tensors[name]
+
+    def write(self, name: str, values: torch.Tensor) -> None:
+        target = self.tensors[name]
+        if name == "master" and target.dtype != torch.float32:
+            precision.store_master(values.to(device=target.device, dtype=torch.float32), target, self.param_view)
+        else:
+            target.copy_(values)
 
 
 def _tp_rank(group: Optional[torch.distributed.ProcessGroup]) -> int:
@@ -294,7 +314,8 @@ class ShardGroup:
             for pc in s.shard.pieces:
                 lo, hi = pc.shard_range.start, pc.shard_range.end
                 out.append(PieceState(s.source, s.shard.names[pc.param_index], s.shard.params[pc.param_index],
-                                      pc.param_range.start, {k: t[lo:hi] for k, t in tensors.items()}))
+                                      pc.param_range.start, {k: t[lo:hi] for k, t in tensors.items()},
+                                      None if s.param_out is None else s.param_out[lo:hi]))
         return out
 
     def sync_params_from_masters(self) -> None:
