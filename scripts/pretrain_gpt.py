@@ -323,8 +323,7 @@ UNSUPPORTED_REASONS: list[tuple[tuple[str, ...], str]] = [
      "--tensorboard-log-interval)"),
     (("--profile", "--use-pytorch-profiler", "--record-memory-history", "--memory-snapshot-path"),
      "profiling is not implemented"),
-    (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--use-precision-aware-optimizer",
-      "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype", "--exp-avg-sq-dtype",
+    (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype",
       "--overlap-param-gather-with-optimizer-step", "--use-torch-fsdp2", "--use-megatron-fsdp",
       "--use-custom-fsdp", "--data-parallel-sharding-strategy", "--ddp-num-buckets", "--ddp-average-in-collective",
       "--ddp-pad-buckets", "--ddp-reduce-scatter-with-fp32", "--nccl-ub", "--optimizer-cuda-graph",
@@ -387,6 +386,16 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--adam-beta2", type=float, default=0.999)
     opt.add_argument("--adam-eps", type=float, default=1e-8)
     opt.add_argument("--sgd-momentum", type=float, default=0.9)
+    opt.add_argument("--use-precision-aware-optimizer", action="store_true",
+                     help="Megatron-LM's precision-aware optimizer: the dtypes below, and bf16 params' masters kept "
+                          "as the param plus a 16-bit remainder")
+    opt.add_argument("--main-params-dtype", choices=("fp32", "fp16"), default="fp32")
+    opt.add_argument("--exp-avg-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    opt.add_argument("--exp-avg-sq-dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    opt.add_argument("--no-store-param-remainders", dest="store_param_remainders", action="store_false",
+                     help="this script's own: fp32 masters for bf16 params even with the precision-aware optimizer")
+    opt.add_argument("--stochastic-rounding", action="store_true",
+                     help="this script's own: round bf16 moments stochastically")
     opt.add_argument("--use-distributed-optimizer", action="store_true",
                      help="shard the optimizer state over the data-parallel ranks (ZeRO-1); without it every "
                           "rank holds the whole optimizer (plain data parallelism)")
@@ -741,6 +750,9 @@ class RunConfig(NamedTuple):
     seq_length: int
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def build_configs(args: argparse.Namespace, data_parallel_size: int) -> RunConfig:
     """Map the checked flags (parse_args) to megatron_opt's configs as Megatron-LM maps its arguments
     (training.py: get_model, get_megatron_optimizer_config, get_optimizer_param_scheduler)."""
@@ -762,6 +774,10 @@ def build_configs(args: argparse.Namespace, data_parallel_size: int) -> RunConfi
         sgd_momentum=args.sgd_momentum, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather, clip_grad=args.clip_grad,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        main_params_dtype=_DTYPES[args.main_params_dtype], exp_avg_dtype=_DTYPES[args.exp_avg_dtype],
+        exp_avg_sq_dtype=_DTYPES[args.exp_avg_sq_dtype], store_param_remainders=args.store_param_remainders,
+        stochastic_rounding=args.stochastic_rounding,
     )
     gbs = args.global_batch_size
     mbs = num_microbatches(gbs, args.micro_batch_size, data_parallel_size)
