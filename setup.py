@@ -66,7 +66,7 @@ setup(
     packages=find_packages(include=["megatron_opt", "megatron_opt.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

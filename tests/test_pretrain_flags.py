@@ -515,10 +515,13 @@ def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys, tmp_path):
     _parse(monkeypatch, [])  # the run without --tensorboard-dir never needs it
 
 
-@pytest.mark.skipif(HAS_TENSORBOARD, reason="tensorboard is installed here")
 def test_tensorboard_missing_on_the_command_line(tmp_path):
-    out = subprocess.run([sys.executable, SCRIPT, "--tensorboard-dir", str(tmp_path / "tb")], capture_output=True,
-                         text=True, timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
+    # Hide tensorboard from the script whether or not it is installed here.
+    hide = ("import runpy, sys; sys.modules['tensorboard'] = None; sys.modules['torch.utils.tensorboard'] = None; "
+            f"sys.argv = [{SCRIPT!r}, '--tensorboard-dir', {str(tmp_path / 'tb')!r}]; "
+            f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                         env=ENV, cwd=ROOT)
     assert out.returncode == 2 and "pip install tensorboard" in out.stderr, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
 
