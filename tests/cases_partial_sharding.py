@@ -158,6 +158,14 @@ def run_construction_error(k: int, use_distributed_optimizer: bool = True) -> tu
     return "", ""
 
 
+def run_broadcast_params(k: int) -> None:
+    """broadcast_params() makes every rank of every instance start from rank 0's params."""
+    model = TinyLM(seed=1000 + dist.get_rank())  # a different init on every rank
+    ddp = mo.DistributedDataParallel(model, ddp_config(k))
+    ddp.broadcast_params()
+    assert torch.equal(flat_params(model), flat_params(TinyLM(seed=1000)))  # rank 0's, on every rank
+
+
 def run_groups_are_shared(k: int) -> dict:
     """Two wrappers with the same instance count reuse the same groups (created once), and the
     intra/inter groups are the ones megatron-core's parallel_state would build."""

@@ -197,6 +197,10 @@ def test_instance_groups_created_once_with_megatron_core_ranks(pools):
         assert res["inter"] == ([0, 2] if rank % 2 == 0 else [1, 3]), (rank, res)
 
 
+def test_broadcast_params_reaches_every_instance(pools):
+    pools(DP).run(cases.run_broadcast_params, 2, timeout=BOUND_S)
+
+
 @pytest.mark.parametrize("source", ["pg_collection", "parallel_state", "created"])
 def test_megatron_core_call_shape_groups(pools, source):
     """megatron-core's DDP call shape takes the instance groups from pg_collection (intra_dp_cp,

@@ -12,6 +12,7 @@ the param all-gather stays within ``group``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -67,30 +68,40 @@ class Bucket:
             return
         if self.buffer.grad_prescale != 1.0:
             self.grad_data.mul_(self.buffer.grad_prescale)
-        if self.buffer.reduce_scatter and not all_reduce:
-            self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group, async_op)
-            target = self.grad_shard
-        else:
-            self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)
-            target = self.grad_data  # force_all_reduce: every rank holds the whole bucket, so reduce all of it
-        if self.buffer.inter_group is not None:
-            self._inter_target = target
-            if not async_op:
-                self.start_inter_sync(block=True)
+        # Partial sharding on CUDA with overlap: both collectives go on a side stream, the all-reduce
+        # right behind the reduce-scatter (as Megatron-LM does), so every rank launches them in the same
+        # global order (RS b0, AR b0, RS b1, ...) whatever the timing, and the compute stream does not
+        # wait. The side stream first waits for the compute stream, where the gradients were accumulated
+        # and pre-scaled (Megatron-LM #3670: a reduction that does not wait for them reads stale values).
+        stream = self.buffer.communication_stream() if async_op else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if self.buffer.reduce_scatter and not all_reduce:
+                self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group,
+                                                              async_op)
+                target = self.grad_shard
+            else:
+                self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)
+                target = self.grad_data  # force_all_reduce: every rank holds the whole bucket, so reduce all of it
+            if self.buffer.inter_group is not None:
+                self._inter_target = target
+                if not async_op or stream is not None:
+                    self.start_inter_sync(block=True)
 
     def start_inter_sync(self, block: bool) -> bool:
         """Launch the inter-instance all-reduce of this bucket once its intra-instance reduction has
         finished (``block``: wait for it; else only if it already has). True when nothing is left to
-        launch. The caller launches buckets' inter all-reduces in bucket order, so every member of an
-        inter-instance group issues them in the same order."""
+        launch. On the CPU (gloo) the caller polls launched buckets in bucket order, so every member of
+        an inter-instance group issues the all-reduces in the same order while the backward goes on."""
         if self._inter_target is None:
             return True
         if not block:
             done = getattr(self.grad_handle, "is_completed", None)
             if done is None or not done():
                 return False
-        # The all-reduce must read the reduce-scatter's result: wait for it first (on CUDA this orders
-        # the streams; the all-reduce is then issued after it).
+        # The all-reduce must read the reduce-scatter's result: wait for it first (gloo: the host
+        # waits; CUDA: the current stream waits, and the all-reduce is issued behind it).
         self.grad_handle.wait()
         target, self._inter_target = self._inter_target, None
         self.inter_handle = collectives.all_reduce(target, self.buffer.inter_group, async_op=True)
@@ -163,9 +174,18 @@ class ParamAndGradBuffer:
             view.copy_(p.data.reshape(-1))
             p.data = view.view(p.shape)
             p.main_grad = self.grad_data[rng.start : rng.end].view(p.shape)
+        self._stream: Optional[torch.cuda.Stream] = None
         self.buckets = [
             Bucket(self, b.index, b.range, [params[i] for i in b.param_indices]) for b in layout.buckets
         ]
+
+    def communication_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The side stream of the overlapped two-step gradient reduction (partial sharding on CUDA), else None."""
+        if self.inter_group is None or self.grad_data.device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.grad_data.device)
+        return self._stream
 
     def bucket_of(self, param: torch.nn.Parameter) -> Bucket:
         return self.buckets[self.layout.param_bucket[self.param_index[id(param)]]]
