@@ -1,67 +1,47 @@
-// Pass 2, AdamW: torch.optim.AdamW's formula on the fp32 master (decoupled weight decay), fp32
-// moments (state0 = exp_avg, state1 = exp_avg_sq), optional write of the rounded master into
-// param_out (model dtype). Chunk walking, found_inf skip, the lr table: see pass2.cuh.
+// Pass 2, AdamW: torch.optim.AdamW's formula (decoupled weight decay) on the master, with the moments
+// state0 = exp_avg, state1 = exp_avg_sq, optional write of the rounded master into param_out (model
+// dtype). Precision-aware state (precision.cuh): the master stored as fp32, fp16 or the int16 remainder
+// of a bf16 param_out; the moments as fp32 / bf16 / fp16 in the pairs (fp32, fp32), (bf16, bf16),
+// (fp16, fp16) and (bf16, fp32), bf16 moments optionally rounded stochastically. One pass, per element:
+// load (widen), fp32 update (AdamwRule::math), round, store. Chunk walking, found_inf skip, the lr
+// table: see pass2.cuh; the kernel instantiations live in adamw_master_*.cu.
+#include "adamw_rule.cuh"
 #include "launch.h"
-#include "pass2.cuh"
 
 namespace megatron_opt {
 namespace {
 
-struct AdamwRule {
-  static constexpr int kStates = 2;
-  struct Args {
-    double beta1, beta2;
-    float lerp_weight;      // (float)(1 - beta1)
-    float beta2_f;          // (float)beta2
-    float one_minus_beta2;  // (float)(1 - beta2)
-    float eps;              // (float)eps
-    const int64_t* step;    // device: the 1-based index of this update
-  };
-  struct Seg {
-    float grad_scale;
-    float bc2_sqrt;      // (float)sqrt(1 - beta2^step)
-    float step_size;     // (float)(lr / (1 - beta1^step))
-    float decay_factor;  // (float)(1 - lr * wd)
-    bool decay;          // lr * wd != 0
-  };
-
-  static __device__ __forceinline__ Seg seg(const Args& a, double lr, double wd, float grad_scale) {
-    const double t = static_cast<double>(*a.step);
-    Seg k;
-    k.grad_scale = grad_scale;
-    k.bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(a.beta2, t)));
-    k.step_size = static_cast<float>(lr / (1.0 - pow(a.beta1, t)));
-    const double decay = lr * wd;
-    k.decay = decay != 0.0;
-    k.decay_factor = static_cast<float>(1.0 - decay);
-    return k;
-  }
-
-  static __device__ __forceinline__ void math(float graw, float& w, float& m, float& v, const Args& a,
-                                              const Seg& k) {
-    const float g = __fmul_rn(graw, k.grad_scale);
-    // m.lerp_(g, 1 - beta1), torch's lerp: weight < 0.5 ? m + w*(g-m) : g - (1-w)*(g-m)
-    const float diff = __fsub_rn(g, m);
-    const bool small = fabsf(a.lerp_weight) < 0.5f;
-    const float coeff = small ? a.lerp_weight : __fsub_rn(a.lerp_weight, 1.0f);
-    m = fmaf(coeff, diff, small ? m : g);
-    // v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    v = __fadd_rn(__fmul_rn(v, a.beta2_f), __fmul_rn(__fmul_rn(a.one_minus_beta2, g), g));
-    // update = m / (sqrt(v) / sqrt(bias_correction2) + eps)
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), a.eps);
-    const float update = __fdiv_rn(m, denom);
-    if (k.decay) w = __fmul_rn(w, k.decay_factor);
-    w = __fsub_rn(w, __fmul_rn(update, k.step_size));
-  }
-};
+// The dtype codes alone (no tensor needed): checked first, so the messages are the same on any device.
+void check_adamw_codes(int64_t grad_code, int64_t param_code, int64_t master_code, int64_t s0_code,
+                       int64_t s1_code) {
+  const auto is_float_code = [](int64_t c) { return c == kCodeF32 || c == kCodeBF16 || c == kCodeF16; };
+  TORCH_CHECK(is_float_code(grad_code), "adamw_step: unknown grad dtype code ", grad_code,
+              " (0 float32, 1 bfloat16, 2 float16)");
+  TORCH_CHECK(param_code == kCodeNone || is_float_code(param_code), "adamw_step: unknown param_out dtype code ",
+              param_code, " (-1 none, 0 float32, 1 bfloat16, 2 float16)");
+  TORCH_CHECK(master_code == kCodeF32 || master_code == kCodeF16 || master_code == kCodeRem,
+              "adamw_step: unknown master storage code ", master_code,
+              " (0 float32, 2 float16, 3 int16 remainder of a bfloat16 param)");
+  TORCH_CHECK(master_code != kCodeRem || param_code == kCodeBF16,
+              "adamw_step: an int16 remainder master needs a bfloat16 param_out (code 1), got param_out code ",
+              param_code);
+  TORCH_CHECK(is_float_code(s0_code) && is_float_code(s1_code), "adamw_step: unknown state dtype codes (",
+              s0_code, ", ", s1_code, "): AdamW needs two states, each 0 float32, 1 bfloat16 or 2 float16");
+  TORCH_CHECK(supported_state_pair(s0_code, s1_code), "adamw_step: no kernel for state dtype codes (", s0_code, ", ",
+              s1_code, "); the kernels take (exp_avg, exp_avg_sq) = (0, 0), (1, 1), (2, 2) or (1, 0) "
+              "(ops.cuda runs the reference for other pairs)");
+}
 
 }  // namespace
 
 void adamw_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
-                     const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, const at::Tensor& step,
-                     double beta1, double beta2, double eps, const std::optional<at::Tensor>& found_inf) {
+                     int64_t master_code, int64_t state0_code, int64_t state1_code, const at::Tensor& lr_wd,
+                     const at::Tensor& grad_scale, double clip_coef, const at::Tensor& step, double beta1,
+                     double beta2, double eps, const std::optional<at::Tensor>& found_inf, bool stochastic) {
+  check_adamw_codes(grad_code, param_code, master_code, state0_code, state1_code);
   const Pass2Args p{ptrs, chunks, lr_wd, grad_scale, clip_coef, found_inf};
-  check_scalar(step, "step", grad_scale.device(), at::kLong);
+  const at::Device device = check_pass2("adamw_step", p);
+  check_scalar(step, "step", device, at::kLong);
   AdamwRule::Args a;
   a.beta1 = beta1;
   a.beta2 = beta2;
@@ -70,7 +50,21 @@ void adamw_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t g
   a.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   a.eps = static_cast<float>(eps);
   a.step = step.data_ptr<int64_t>();
-  run_pass2<AdamwRule>("adamw_step", grad_code, param_code, p, a);
+  if (chunks.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+  // Stochastic rounding applies to bf16 slots only; on fp32 / fp16 slots the flag changes nothing.
+  const int64_t* sr_step = stochastic ? a.step : nullptr;
+  switch (master_code) {
+    case kCodeF32:
+      adamw_pass2_master_f32(grad_code, param_code, state0_code, state1_code, p, a, sr_step);
+      break;
+    case kCodeF16:
+      adamw_pass2_master_f16(grad_code, param_code, state0_code, state1_code, p, a, sr_step);
+      break;
+    default:  // kCodeRem (checked above)
+      adamw_pass2_master_rem(grad_code, param_code, state0_code, state1_code, p, a, sr_step);
+      break;
+  }
 }
 
 }  // namespace megatron_opt

@@ -12,9 +12,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("sumsq_ws"), py::arg("counts_ws"), py::arg("count_zeros"));
   m.def("advance_step", &megatron_opt::advance_step_cuda, "step += 1 unless found_inf != 0", py::arg("step"),
         py::arg("found_inf"));
-  m.def("adamw_step", &megatron_opt::adamw_step_cuda, "pass 2: AdamW", py::arg("ptrs"), py::arg("chunks"),
-        py::arg("grad_code"), py::arg("param_code"), py::arg("lr_wd"), py::arg("grad_scale"), py::arg("clip_coef"),
-        py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("found_inf"));
+  m.def("adamw_step", &megatron_opt::adamw_step_cuda, "pass 2: AdamW (precision-aware master and moments)",
+        py::arg("ptrs"), py::arg("chunks"), py::arg("grad_code"), py::arg("param_code"), py::arg("master_code"),
+        py::arg("state0_code"), py::arg("state1_code"), py::arg("lr_wd"), py::arg("grad_scale"),
+        py::arg("clip_coef"), py::arg("step"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"),
+        py::arg("found_inf"), py::arg("stochastic"));
   m.def("sgd_step", &megatron_opt::sgd_step_cuda, "pass 2: SGD with momentum", py::arg("ptrs"), py::arg("chunks"),
         py::arg("grad_code"), py::arg("param_code"), py::arg("lr_wd"), py::arg("grad_scale"), py::arg("clip_coef"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("found_inf"));

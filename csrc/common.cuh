@@ -179,6 +179,9 @@ __device__ __forceinline__ Chunk load_chunk(const int64_t* __restrict__ chunks, 
 
 // dtype codes of the step-plan entry points (ops/step_plan.py DTYPE_CODES)
 constexpr int kCodeF32 = 0, kCodeBF16 = 1, kCodeF16 = 2, kCodeNone = -1;
+// master storage codes (ops/step_plan.py MASTER_CODES): kCodeF32, kCodeF16, or the int16 remainder
+// of a bf16 param (precision.cuh)
+constexpr int kCodeRem = 3;
 
 // ---------------------------------------------------------------------------------------------
 // Host-side argument checks (the Python wrapper checks first, with friendlier messages)

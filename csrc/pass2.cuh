@@ -1,9 +1,16 @@
-// The pass-2 (optimizer update) kernel shared by adamw.cu, sgd.cu and lion.cu.
+// The pass-2 (optimizer update) kernel shared by adamw*.cu, sgd.cu and lion.cu.
 //
 // One launch covers every chunk of a step plan (see common.cuh), one block per chunk. A rule supplies
 // its per-element math; this file walks the chunk (scalar head, 16-byte vector body, scalar tail),
 // reads the per-step scalars from device memory and writes piece elements only: padding gaps between
 // pieces are never touched.
+//   * storage is a template parameter (precision.cuh): the master as fp32, fp16 or an int16 remainder
+//     of the bf16 param_out (which is then read too), each state slot fp32 / bf16 / fp16. Each element
+//     is widened to fp32, updated, and rounded once on store (nearest even, or stochastically for bf16
+//     slots when the launch passes the device step for the hash): one pass, no fp32 copies. The vector
+//     body moves packs of VEC elements of every array in its own storage type. SGD and Lion are
+//     instantiated for fp32 master and state only (run_pass2), AdamW for every master storage and the
+//     state pairs of supported_state_pair (run_pass2_master).
 //   * lr and weight decay come from a float64 device table [ngroups, 2] (lr, wd) that the optimizer
 //     updates in place, so a captured CUDA graph replays the current values.
 //   * grad_scale (inv loss scale times DP pre-scale) is a device scalar; clip_coef multiplies it
@@ -15,6 +22,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "precision.cuh"
 
 #include <optional>
 #include <utility>
@@ -23,71 +31,99 @@ namespace megatron_opt {
 
 constexpr int kPass2Unroll = 2;  // vector packs in flight per thread
 
-// Rule interface (see AdamwRule in adamw.cu):
-//   static constexpr int kStates;                  // fp32 state arrays (0, 1 or 2)
+// Rule interface (see AdamwRule in adamw_rule.cuh):
+//   static constexpr int kStates;                  // state arrays (0, 1 or 2)
 //   struct Args;                                   // per-launch constants, passed by value
 //   struct Seg;                                    // per-chunk constants
 //   static __device__ Seg seg(const Args&, double lr, double wd, float grad_scale);
 //   static __device__ void math(float g, float& w, float& s0, float& s1, const Args&, const Seg&);
-template <typename Rule, typename GT, typename PT, bool kParamOut>
-__device__ __forceinline__ void update_one(const typename GT::S* grad, float* w, float* s0, float* s1,
-                                           typename PT::S* po, int64_t i, const typename Rule::Args& a,
-                                           const typename Rule::Seg& k) {
-  float wv = w[i];
-  float v0 = Rule::kStates > 0 ? s0[i] : 0.0f;
-  float v1 = Rule::kStates > 1 ? s1[i] : 0.0f;
-  Rule::math(GT::to_float(grad[i]), wv, v0, v1, a, k);
-  w[i] = wv;
-  if constexpr (Rule::kStates > 0) s0[i] = v0;
-  if constexpr (Rule::kStates > 1) s1[i] = v1;
-  if constexpr (kParamOut) po[i] = PT::from_float(wv);
-}
+// The kernel's other template parameters say how values are stored (precision.cuh): GT the grad,
+// PT param_out (kParamOut: whether there is one), MP the master storage, T0 / T1 the state slots.
+// Every element is loaded (widened to fp32), updated by Rule::math in fp32 and rounded once on store.
+template <typename Rule, typename GT, typename PT, typename MP, bool kParamOut, typename T0, typename T1>
+struct Pass2Elem {
+  using GS = typename GT::S;
+  using PS = typename PT::S;
+  using MS = typename MP::S;
+  using S0 = typename T0::S;
+  using S1 = typename T1::S;
+  static_assert(!MP::kReadsParam || kParamOut, "this master storage needs param_out");
 
-template <typename Rule, typename GT, typename PT, bool kParamOut>
+  // One element, scalar loads and stores.
+  static __device__ __forceinline__ void one(const GS* grad, MS* w, S0* s0, S1* s1, PS* po, int64_t i,
+                                             const typename Rule::Args& a, const typename Rule::Seg& k,
+                                             const StochasticArgs& sr) {
+    PS pv{};
+    if constexpr (MP::kReadsParam) pv = po[i];
+    float wv = MP::load(w[i], pv);
+    float v0 = 0.0f, v1 = 0.0f;
+    if constexpr (Rule::kStates > 0) v0 = T0::to_float(s0[i]);
+    if constexpr (Rule::kStates > 1) v1 = T1::to_float(s1[i]);
+    Rule::math(GT::to_float(grad[i]), wv, v0, v1, a, k);
+    if constexpr (Rule::kStates > 0) s0[i] = store_state<T0>(v0, sr.on, sr.base0, i);
+    if constexpr (Rule::kStates > 1) s1[i] = store_state<T1>(v1, sr.on, sr.base1, i);
+    MS mv;
+    MP::template store<PT, kParamOut>(wv, mv, pv);
+    w[i] = mv;
+    if constexpr (kParamOut) po[i] = pv;
+  }
+};
+
+template <typename Rule, typename GT, typename PT, typename MP, bool kParamOut, typename T0, typename T1>
 __global__ void __launch_bounds__(kThreads)
     pass2_kernel(const int64_t* __restrict__ ptrs, const int64_t* __restrict__ chunks,
                  const double* __restrict__ lr_wd, int ngroups, const float* __restrict__ grad_scale_ptr,
-                 float clip_coef, const float* __restrict__ found_inf_ptr, const typename Rule::Args a) {
-  using GS = typename GT::S;
-  using PS = typename PT::S;
+                 float clip_coef, const float* __restrict__ found_inf_ptr, const int64_t* __restrict__ sr_step,
+                 const typename Rule::Args a) {
+  using E = Pass2Elem<Rule, GT, PT, MP, kParamOut, T0, T1>;
+  using GS = typename E::GS;
+  using PS = typename E::PS;
+  using MS = typename E::MS;
+  using S0 = typename E::S0;
+  using S1 = typename E::S1;
   constexpr int VEC = 16 / static_cast<int>(sizeof(GS));
   if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;  // skipped step: write nothing
   const Chunk c = load_chunk(chunks, blockIdx.x);
   const int64_t* row = ptrs + kPtrCols * c.shard;
   const GS* grad = reinterpret_cast<const GS*>(row[0]);
-  float* w = reinterpret_cast<float*>(row[1]);
-  float* s0 = reinterpret_cast<float*>(row[2]);
-  float* s1 = reinterpret_cast<float*>(row[3]);
+  MS* w = reinterpret_cast<MS*>(row[1]);
+  S0* s0 = reinterpret_cast<S0*>(row[2]);
+  S1* s1 = reinterpret_cast<S1*>(row[3]);
   PS* po = reinterpret_cast<PS*>(row[4]);
   const int gid = c.group < 0 ? 0 : (c.group >= ngroups ? ngroups - 1 : c.group);  // validated on the host
   const typename Rule::Seg k =
       Rule::seg(a, lr_wd[2 * gid], lr_wd[2 * gid + 1], __fmul_rn(*grad_scale_ptr, clip_coef));
+  const StochasticArgs sr = stochastic_args(sr_step);  // sr_step == nullptr: nearest rounding
 
   if (c.phase < 0) {
     for (int64_t i = c.start + threadIdx.x; i < c.end; i += kThreads) {
-      update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, i, a, k);
+      E::one(grad, w, s0, s1, po, i, a, k, sr);
     }
     return;
   }
   const Split sp = split_range<VEC>(c.start, c.end, c.phase);
   if (static_cast<int64_t>(threadIdx.x) < sp.head_end - c.start) {
-    update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, c.start + threadIdx.x, a, k);
+    E::one(grad, w, s0, s1, po, c.start + threadIdx.x, a, k, sr);
   }
   if (static_cast<int64_t>(threadIdx.x) < c.end - sp.body_end) {
-    update_one<Rule, GT, PT, kParamOut>(grad, w, s0, s1, po, sp.body_end + threadIdx.x, a, k);
+    E::one(grad, w, s0, s1, po, sp.body_end + threadIdx.x, a, k, sr);
   }
   for (int64_t base = 0; base < sp.nvec; base += static_cast<int64_t>(kThreads) * kPass2Unroll) {
     Pack<GS, VEC> gp[kPass2Unroll];
-    Pack<float, VEC> wp[kPass2Unroll], p0[kPass2Unroll], p1[kPass2Unroll];
+    Pack<MS, VEC> wp[kPass2Unroll];
+    Pack<S0, VEC> p0[kPass2Unroll];
+    Pack<S1, VEC> p1[kPass2Unroll];
+    Pack<PS, VEC> pp[kPass2Unroll];
 #pragma unroll
     for (int u = 0; u < kPass2Unroll; ++u) {
       const int64_t v = base + static_cast<int64_t>(u) * kThreads + threadIdx.x;
       if (v < sp.nvec) {
         const int64_t i = sp.head_end + v * VEC;
         gp[u] = load_pack<GS, VEC>(grad + i);
-        wp[u] = load_pack<float, VEC>(w + i);
-        if constexpr (Rule::kStates > 0) p0[u] = load_pack<float, VEC>(s0 + i);
-        if constexpr (Rule::kStates > 1) p1[u] = load_pack<float, VEC>(s1 + i);
+        wp[u] = load_pack<MS, VEC>(w + i);
+        if constexpr (Rule::kStates > 0) p0[u] = load_pack<S0, VEC>(s0 + i);
+        if constexpr (Rule::kStates > 1) p1[u] = load_pack<S1, VEC>(s1 + i);
+        if constexpr (MP::kReadsParam) pp[u] = load_pack<PS, VEC>(po + i);
       }
     }
 #pragma unroll
@@ -97,21 +133,24 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t i = sp.head_end + v * VEC;
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          float v0 = Rule::kStates > 0 ? p0[u].e[j] : 0.0f;
-          float v1 = Rule::kStates > 1 ? p1[u].e[j] : 0.0f;
-          Rule::math(GT::to_float(gp[u].e[j]), wp[u].e[j], v0, v1, a, k);
-          if constexpr (Rule::kStates > 0) p0[u].e[j] = v0;
-          if constexpr (Rule::kStates > 1) p1[u].e[j] = v1;
+          float wv;
+          if constexpr (MP::kReadsParam) {
+            wv = MP::load(wp[u].e[j], pp[u].e[j]);
+          } else {
+            wv = MP::load(wp[u].e[j], PS{});
+          }
+          float v0 = 0.0f, v1 = 0.0f;
+          if constexpr (Rule::kStates > 0) v0 = T0::to_float(p0[u].e[j]);
+          if constexpr (Rule::kStates > 1) v1 = T1::to_float(p1[u].e[j]);
+          Rule::math(GT::to_float(gp[u].e[j]), wv, v0, v1, a, k);
+          if constexpr (Rule::kStates > 0) p0[u].e[j] = store_state<T0>(v0, sr.on, sr.base0, i + j);
+          if constexpr (Rule::kStates > 1) p1[u].e[j] = store_state<T1>(v1, sr.on, sr.base1, i + j);
+          MP::template store<PT, kParamOut>(wv, wp[u].e[j], pp[u].e[j]);
         }
-        store_pack<float, VEC>(w + i, wp[u]);
-        if constexpr (Rule::kStates > 0) store_pack<float, VEC>(s0 + i, p0[u]);
-        if constexpr (Rule::kStates > 1) store_pack<float, VEC>(s1 + i, p1[u]);
-        if constexpr (kParamOut) {
-          Pack<PS, VEC> pp;
-#pragma unroll
-          for (int j = 0; j < VEC; ++j) pp.e[j] = PT::from_float(wp[u].e[j]);
-          store_pack<PS, VEC>(po + i, pp);
-        }
+        store_pack<MS, VEC>(w + i, wp[u]);
+        if constexpr (Rule::kStates > 0) store_pack<S0, VEC>(s0 + i, p0[u]);
+        if constexpr (Rule::kStates > 1) store_pack<S1, VEC>(s1 + i, p1[u]);
+        if constexpr (kParamOut) store_pack<PS, VEC>(po + i, pp[u]);
       }
     }
   }
@@ -143,57 +182,104 @@ inline at::Device check_pass2(const char* op, const Pass2Args& p) {
   return device;
 }
 
-template <typename Rule, typename GT, typename PT, bool kParamOut>
-void launch_pass2(const Pass2Args& p, const typename Rule::Args& a) {
+// Launch geometry and device pointers of one pass-2 launch; sr_step is the device step when bf16 state
+// is rounded stochastically, else nullptr.
+template <typename Rule, typename GT, typename PT, typename MP, bool kParamOut, typename T0, typename T1>
+void launch_pass2(const Pass2Args& p, const typename Rule::Args& a, const int64_t* sr_step) {
   const unsigned grid = static_cast<unsigned>(p.chunks.size(0));
   const float* fi = p.found_inf.has_value() ? p.found_inf->template data_ptr<float>() : nullptr;
-  pass2_kernel<Rule, GT, PT, kParamOut><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  pass2_kernel<Rule, GT, PT, MP, kParamOut, T0, T1><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       p.ptrs.template data_ptr<int64_t>(), p.chunks.template data_ptr<int64_t>(), p.lr_wd.template data_ptr<double>(),
       static_cast<int>(p.lr_wd.size(0)), p.grad_scale.template data_ptr<float>(), static_cast<float>(p.clip_coef),
-      fi, a);
+      fi, sr_step, a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <typename Rule, typename GT>
-void dispatch_param_code(const char* op, int64_t param_code, const Pass2Args& p, const typename Rule::Args& a) {
-  switch (param_code) {
-    case kCodeNone:
-      launch_pass2<Rule, GT, F32, false>(p, a);
-      break;
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<GT>{}) for a float dtype code (grad and param_out codes).
+template <typename F>
+void with_float_code(const char* op, const char* what, int64_t code, F&& f) {
+  switch (code) {
     case kCodeF32:
-      launch_pass2<Rule, GT, F32, true>(p, a);
+      f(Tag<F32>{});
       break;
     case kCodeBF16:
-      launch_pass2<Rule, GT, BF16, true>(p, a);
+      f(Tag<BF16>{});
       break;
     case kCodeF16:
-      launch_pass2<Rule, GT, F16, true>(p, a);
+      f(Tag<F16>{});
       break;
     default:
-      TORCH_CHECK(false, op, ": unknown param_out dtype code ", param_code);
+      TORCH_CHECK(false, op, ": unknown ", what, " dtype code ", code, " (0 float32, 1 bfloat16, 2 float16)");
   }
 }
 
-// Checks, then launches Rule's pass 2 for the plan's grad / param_out dtype codes.
+// Calls f(Tag<PT>{}, bool_constant<kParamOut>{}) for a param_out code (-1: none). A remainder master
+// only ever gets bf16 (the launcher checked).
+template <typename MP, typename F>
+void with_param_code(const char* op, int64_t param_code, F&& f) {
+  if constexpr (MP::kReadsParam) {
+    TORCH_CHECK(param_code == kCodeBF16, op, ": an int16 remainder master needs a bfloat16 param_out (code 1), got code ",
+                param_code);
+    f(Tag<BF16>{}, std::true_type{});
+  } else if (param_code == kCodeNone) {
+    f(Tag<F32>{}, std::false_type{});
+  } else {
+    with_float_code(op, "param_out", param_code, [&](auto pt) { f(pt, std::true_type{}); });
+  }
+}
+
+// Rules with fp32 master and fp32 state only (SGD, Lion): checks, then launches Rule's pass 2 for the
+// plan's grad / param_out dtype codes.
 template <typename Rule>
 void run_pass2(const char* op, int64_t grad_code, int64_t param_code, const Pass2Args& p,
                const typename Rule::Args& a) {
   const at::Device device = check_pass2(op, p);
   if (p.chunks.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(device);
-  switch (grad_code) {
-    case kCodeF32:
-      dispatch_param_code<Rule, F32>(op, param_code, p, a);
-      break;
-    case kCodeBF16:
-      dispatch_param_code<Rule, BF16>(op, param_code, p, a);
-      break;
-    case kCodeF16:
-      dispatch_param_code<Rule, F16>(op, param_code, p, a);
-      break;
-    default:
-      TORCH_CHECK(false, op, ": unknown grad dtype code ", grad_code);
-  }
+  with_float_code(op, "grad", grad_code, [&](auto gt) {
+    with_param_code<MasterF32>(op, param_code, [&](auto pt, auto has_po) {
+      using GT = typename decltype(gt)::type;
+      using PT = typename decltype(pt)::type;
+      launch_pass2<Rule, GT, PT, MasterF32, decltype(has_po)::value, F32, F32>(p, a, nullptr);
+    });
+  });
+}
+
+// The state-slot pairs the precision-aware kernels are instantiated for (state0 code, state1 code);
+// ops/cuda.py runs the reference for any other pair.
+inline bool supported_state_pair(int64_t s0, int64_t s1) {
+  return (s0 == kCodeF32 && s1 == kCodeF32) || (s0 == kCodeBF16 && s1 == kCodeBF16) ||
+         (s0 == kCodeF16 && s1 == kCodeF16) || (s0 == kCodeBF16 && s1 == kCodeF32);
+}
+
+// Precision-aware pass 2 for one master storage MP (device guard and code checks done by the caller):
+// dispatches grad, param_out and the (supported) state pair, then launches.
+template <typename Rule, typename MP>
+void run_pass2_master(const char* op, int64_t grad_code, int64_t param_code, int64_t s0_code, int64_t s1_code,
+                      const Pass2Args& p, const typename Rule::Args& a, const int64_t* sr_step) {
+  with_float_code(op, "grad", grad_code, [&](auto gt) {
+    with_param_code<MP>(op, param_code, [&](auto pt, auto has_po) {
+      using GT = typename decltype(gt)::type;
+      using PT = typename decltype(pt)::type;
+      constexpr bool kPO = decltype(has_po)::value;
+      if (s0_code == kCodeF32 && s1_code == kCodeF32) {
+        launch_pass2<Rule, GT, PT, MP, kPO, F32, F32>(p, a, sr_step);
+      } else if (s0_code == kCodeBF16 && s1_code == kCodeBF16) {
+        launch_pass2<Rule, GT, PT, MP, kPO, BF16, BF16>(p, a, sr_step);
+      } else if (s0_code == kCodeF16 && s1_code == kCodeF16) {
+        launch_pass2<Rule, GT, PT, MP, kPO, F16, F16>(p, a, sr_step);
+      } else if (s0_code == kCodeBF16 && s1_code == kCodeF32) {
+        launch_pass2<Rule, GT, PT, MP, kPO, BF16, F32>(p, a, sr_step);
+      } else {
+        TORCH_CHECK(false, op, ": no kernel for state dtype codes (", s0_code, ", ", s1_code, ")");
+      }
+    });
+  });
 }
 
 }  // namespace megatron_opt

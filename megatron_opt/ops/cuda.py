@@ -13,6 +13,14 @@ pass-2 ops read ``found_inf`` on the device: when it is nonzero the kernel write
 
 Shapes: every flat tensor (grad, master, moments, param_out) is 1-D, contiguous, on the same CUDA
 device, with at least ``table.numel`` elements; the table's coordinates index them directly.
+
+Precision-aware state (``ops/precision.py``) is AdamW's: the master float32, float16 or the int16
+remainder of a bfloat16 ``param_out``; the moments float32 / bfloat16 / float16, bf16 moments
+optionally rounded stochastically. The kernel handles the moment pairs (exp_avg, exp_avg_sq) in
+``KERNEL_STATE_PAIRS`` in its one pass; for any other pair ``adamw_step_planned`` runs
+``ops.reference.adamw_step`` shard by shard on the same CUDA tensors (same results; it reads the
+lr table, ``found_inf`` and ``step`` on the host, so it syncs and cannot be captured in a CUDA graph).
+SGD and Lion take float32 master and state only (TypeError otherwise).
 """
 from __future__ import annotations
 
@@ -21,25 +29,37 @@ from typing import Optional, Sequence
 import torch  # must precede the extension import (it loads libc10 / libtorch)
 
 from .. import _C  # noqa: E402  (raises ImportError when the extension was not built)
+from . import reference
 from .piece_table import PieceTable
-from .step_plan import DTYPE_CODES, ShardOperands, StepPlan, check_no_overlap, lr_wd_table
+from .precision import MASTER_DTYPES, STATE_DTYPES
+from .step_plan import DTYPE_CODES, MASTER_CODES, ShardOperands, StepPlan, check_no_overlap, lr_wd_table
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP32_ONLY = (torch.float32,)
+# (exp_avg, exp_avg_sq) dtype pairs the AdamW kernel is instantiated for (csrc/pass2.cuh
+# supported_state_pair); other pairs run the reference (see adamw_step_planned).
+KERNEL_STATE_PAIRS = frozenset({(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                (torch.float16, torch.float16), (torch.bfloat16, torch.float32)})
+_KERNEL_PAIRS_TEXT = "(float32, float32), (bfloat16, bfloat16), (float16, float16), (bfloat16, float32)"
+_RULE_NAMES = {"sgd_step": "SGD", "lion_step": "Lion"}
+_FP32_RULE_HINT = ("; precision-aware state (16-bit moments, float16 or int16-remainder masters) is "
+                   "implemented for AdamW only, {rule} takes float32 master and state")
 
 
 def _where(op: str, name: str) -> str:
     return f"{op}: {name}"
 
 
-def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtypes, table: PieceTable) -> None:
+def _check_flat(op: str, name: str, t: torch.Tensor, device: torch.device, dtypes, table: PieceTable,
+                hint: str = "") -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{_where(op, name)} must be a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
         raise ValueError(f"{_where(op, name)} is on {t.device}, expected {device}")
     if t.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{_where(op, name)} has dtype {t.dtype}, expected one of: {names}")
+        raise TypeError(f"{_where(op, name)} has dtype {t.dtype}, expected one of: {names}{hint}")
     if t.dim() != 1:
         raise ValueError(f"{_where(op, name)} must be a flat 1-D shard, got shape {tuple(t.shape)}")
     if not t.is_contiguous():
@@ -71,15 +91,22 @@ def _cuda_device(op: str, grad: torch.Tensor) -> torch.device:
 
 def _check_update(op: str, table: PieceTable, grad: torch.Tensor, master: torch.Tensor,
                   state: dict[str, torch.Tensor], param_out: Optional[torch.Tensor], grad_scale: torch.Tensor,
-                  found_inf: Optional[torch.Tensor]) -> torch.device:
-    """The checks every pass-2 op shares: flat operands, the device scalars, no overlapping outputs."""
+                  found_inf: Optional[torch.Tensor], precision_aware: bool = False) -> torch.device:
+    """The checks every pass-2 op shares: flat operands, the device scalars, no overlapping outputs.
+    ``precision_aware`` (AdamW): 16-bit moments and float16 / int16-remainder masters are allowed,
+    else (SGD, Lion) master and state must be float32."""
     device = _cuda_device(op, grad)
     _check_flat(op, "grad", grad, device, _GRAD_DTYPES, table)
-    _check_flat(op, "master", master, device, (torch.float32,), table)
+    hint = "" if precision_aware else _FP32_RULE_HINT.format(rule=_RULE_NAMES.get(op, op))
+    _check_flat(op, "master", master, device, MASTER_DTYPES if precision_aware else _FP32_ONLY, table, hint)
     for name, t in state.items():
-        _check_flat(op, name, t, device, (torch.float32,), table)
+        _check_flat(op, name, t, device, STATE_DTYPES if precision_aware else _FP32_ONLY, table, hint)
     if param_out is not None:
         _check_flat(op, "param_out", param_out, device, _PARAM_DTYPES, table)
+    if master.dtype == torch.int16 and (param_out is None or param_out.dtype != torch.bfloat16):
+        got = "no param_out" if param_out is None else f"param_out of dtype {param_out.dtype}"
+        raise TypeError(f"{op}: an int16 master is the remainder of a bfloat16 param and needs that param as "
+                        f"param_out (bfloat16), got {got}")
     _check_scalar(op, "grad_scale", grad_scale, device, torch.float32)
     if found_inf is not None:
         _check_scalar(op, "found_inf", found_inf, device, torch.float32)
@@ -128,6 +155,15 @@ def _lr_wd(op: str, table: PieceTable, lr: Sequence[float], weight_decay: Sequen
 
 def _param_code(plan: StepPlan) -> int:
     return -1 if plan.param_dtype is None else DTYPE_CODES[plan.param_dtype]
+
+
+def _check_fp32_plan(plan: StepPlan, op: str) -> None:
+    """SGD and Lion kernels: float32 master and state only."""
+    rule = _RULE_NAMES.get(op, op)
+    if plan.master_dtype not in (None, torch.float32) or any(d != torch.float32 for d in plan.state_dtypes):
+        raise TypeError(f"{op}: the plan has master dtype {plan.master_dtype} and state dtypes "
+                        f"{list(plan.state_dtypes)}; precision-aware state (16-bit moments, float16 or "
+                        f"int16-remainder masters) is implemented for AdamW only, {rule} takes float32 master and state")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -190,26 +226,59 @@ def adamw_step(
     beta2: float,
     eps: float,
     found_inf: Optional[torch.Tensor] = None,
+    stochastic_rounding: bool = False,
 ) -> None:
     op = "adamw_step"
     device = _check_update(op, table, grad, master, {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}, param_out,
-                           grad_scale, found_inf)
+                           grad_scale, found_inf, precision_aware=True)
     _check_scalar(op, "step", step, device, torch.int64)
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
         plan = _plan(table, grad, master, (exp_avg, exp_avg_sq), param_out)
         adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2, eps=eps,
-                           found_inf=found_inf)
+                           found_inf=found_inf, stochastic_rounding=stochastic_rounding)
 
 
 def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
                        beta1: float, beta2: float, eps: float, clip_coef: float = 1.0,
-                       found_inf: Optional[torch.Tensor] = None) -> None:
-    if plan.num_chunks:
-        plan.check_groups(lr_wd, "adamw_step")
-        d = plan.device_tensors()
-        _C.adamw_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan), lr_wd, grad_scale,
-                      float(clip_coef), step, float(beta1), float(beta2), float(eps), found_inf)
+                       found_inf: Optional[torch.Tensor] = None, stochastic_rounding: bool = False) -> None:
+    """AdamW over every shard of ``plan`` in one launch, precision-aware state included (module doc).
+    Moment pairs outside ``KERNEL_STATE_PAIRS`` run the reference shard by shard instead."""
+    if not plan.num_chunks:
+        return
+    plan.check_groups(lr_wd, "adamw_step")
+    if len(plan.state_dtypes) != 2:
+        raise ValueError(f"adamw_step: a plan for AdamW holds two states per shard (exp_avg, exp_avg_sq), "
+                         f"this one has {len(plan.state_dtypes)}")
+    if plan.state_dtypes not in KERNEL_STATE_PAIRS:
+        _adamw_reference_fallback(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=beta1, beta2=beta2,
+                                  eps=eps, clip_coef=clip_coef, found_inf=found_inf,
+                                  stochastic_rounding=stochastic_rounding)
+        return
+    d = plan.device_tensors()
+    s0, s1 = plan.state_codes()
+    _C.adamw_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan),
+                  MASTER_CODES[plan.master_dtype], s0, s1, lr_wd, grad_scale, float(clip_coef), step, float(beta1),
+                  float(beta2), float(eps), found_inf, bool(stochastic_rounding))
+
+
+def _adamw_reference_fallback(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+                              beta1: float, beta2: float, eps: float, clip_coef: float,
+                              found_inf: Optional[torch.Tensor], stochastic_rounding: bool) -> None:
+    """Moment pairs without a kernel instantiation (e.g. fp32 exp_avg with bf16 exp_avg_sq): the
+    reference per shard on the CUDA tensors, same semantics (widen, fp32 update, round once). It reads
+    lr_wd, found_inf and step on the host, so it cannot run inside a CUDA graph capture."""
+    if plan.device is not None and plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"adamw_step: no kernel for moment dtypes {list(plan.state_dtypes)} (the kernels take "
+                           f"{_KERNEL_PAIRS_TEXT}); the reference fallback syncs with the host and cannot be "
+                           "captured in a CUDA graph")
+    pairs = lr_wd.tolist()
+    lr, wd = [p[0] for p in pairs], [p[1] for p in pairs]
+    scale = grad_scale if clip_coef == 1.0 else grad_scale * clip_coef
+    for s in plan.shards:
+        reference.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=lr, weight_decay=wd,
+                             grad_scale=scale, step=step, beta1=beta1, beta2=beta2, eps=eps, found_inf=found_inf,
+                             stochastic_rounding=stochastic_rounding)
 
 
 def sgd_step(
@@ -233,7 +302,8 @@ def sgd_step(
                            {"momentum_buffer": momentum_buffer} if momentum != 0 else {}, param_out,
                            grad_scale, found_inf)
     if momentum == 0 and momentum_buffer is not None:  # unused, but still checked
-        _check_flat(op, "momentum_buffer", momentum_buffer, device, (torch.float32,), table)
+        _check_flat(op, "momentum_buffer", momentum_buffer, device, _FP32_ONLY, table,
+                    _FP32_RULE_HINT.format(rule="SGD"))
     lr_wd = _lr_wd(op, table, lr, weight_decay, device)
     if table.num_pieces:
         plan = _plan(table, grad, master, (momentum_buffer,) if momentum != 0 else (), param_out)
@@ -245,6 +315,7 @@ def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.T
                      nesterov: bool = False, clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None) -> None:
     if plan.num_chunks:
         plan.check_groups(lr_wd, "sgd_step")
+        _check_fp32_plan(plan, "sgd_step")
         if (momentum != 0) != (len(plan.shards[0].state) == 1):
             raise ValueError("sgd_step: a plan for momentum != 0 holds one momentum buffer per shard, else none")
         d = plan.device_tensors()
@@ -278,9 +349,10 @@ def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.
                       clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None) -> None:
     if plan.num_chunks:
         plan.check_groups(lr_wd, "lion_step")
+        _check_fp32_plan(plan, "lion_step")
         d = plan.device_tensors()
         _C.lion_step(d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan), lr_wd, grad_scale,
                      float(clip_coef), float(beta1), float(beta2), found_inf)
 
 
-__all__ = ["grad_stats", "grad_stats_planned", "adamw_step_planned", "sgd_step_planned", "lion_step_planned", "advance_step", "adamw_step", "sgd_step", "lion_step"]
+__all__ = ["KERNEL_STATE_PAIRS", "grad_stats", "grad_stats_planned", "adamw_step_planned", "sgd_step_planned", "lion_step_planned", "advance_step", "adamw_step", "sgd_step", "lion_step"]
