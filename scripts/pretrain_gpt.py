@@ -166,6 +166,10 @@ class GPT(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(Block(hidden, heads, ffn_hidden) for _ in range(layers))
         self.ln_f = torch.nn.LayerNorm(hidden)
         self.head = None if tie_embeddings else torch.nn.Linear(hidden, vocab, bias=False)
+        # What --decoupled-lr applies to (megatron-core marks the same params).
+        self.tok.weight.is_embedding_or_output_parameter = True
+        if self.head is not None:
+            self.head.weight.is_embedding_or_output_parameter = True
         for name, p in self.named_parameters():
             if p.ndim > 1:
                 scaled = name.endswith(("proj.weight", "fc2.weight"))
@@ -313,8 +317,6 @@ UNSUPPORTED_REASONS: list[tuple[tuple[str, ...], str]] = [
      "the model is this script's own GPT (learned positions, LayerNorm, GELU MLP, multi-head attention, no dropout)"),
     (("--eval-", "--skip-train", "--test-mode", "--full-validation", "--multiple-validation-sets"),
      "evaluation is not implemented"),
-    (("--decoupled-lr", "--decoupled-min-lr"), "decoupled learning rates for the embedding and output layer "
-     "are not implemented"),
     (("--rampup-batch-size", "--step-batch-size-schedule", "--decrease-batch-size-if-needed"),
      "the global batch size is constant"),
     (("--wandb-", "--one-logger", "--enable-one-logger", "--log-"),
@@ -380,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="adam is AdamW (decoupled weight decay), as in Megatron-LM")
     opt.add_argument("--lr", type=float, default=d["lr"])
     opt.add_argument("--min-lr", type=float, default=0.0)
+    opt.add_argument("--decoupled-lr", type=float, default=None,
+                     help="max lr of the input embedding and output layer (their own schedule)")
+    opt.add_argument("--decoupled-min-lr", type=float, default=None)
     opt.add_argument("--weight-decay", type=float, default=0.01)
     opt.add_argument("--clip-grad", type=float, default=1.0, help="0 turns clipping off")
     opt.add_argument("--adam-beta1", type=float, default=0.9)
@@ -765,6 +770,7 @@ def build_configs(args: argparse.Namespace, data_parallel_size: int) -> RunConfi
     )
     optimizer_config = mo.OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         fp16=args.fp16, bf16=args.bf16, params_dtype=dtype,
         # Megatron-LM uses a loss scaler only with fp16/bf16: --loss-scale does nothing in fp32.
         loss_scale=args.loss_scale if (args.fp16 or args.bf16) else None,

@@ -61,7 +61,8 @@ LLAMA_MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-head
 LLAMA_TRAINING = ["--micro-batch-size", "1", "--global-batch-size", "4", "--train-samples", "40",
                   "--lr-decay-samples", "36", "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
                   "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
-                  "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--calculate-per-token-loss"]
+                  "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--calculate-per-token-loss",
+                  "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5"]
 LLAMA_PARALLEL = ["--tensor-model-parallel-size", "1", "--context-parallel-size", "1", "--sequence-parallel"]
 LLAMA_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LLAMA_LOGGING = ["--log-interval", "1", "--save-interval", "5", "--log-throughput", "--ckpt-format", "torch_dist",
@@ -70,7 +71,7 @@ LLAMA_UNSUPPORTED = [
     ["--use-mcore-models"], ["--group-query-attention"], ["--num-query-groups", "8"], ["--kv-channels", "128"],
     ["--position-embedding-type", "rope"], ["--rotary-base", "1000000"], ["--swiglu"],
     ["--normalization", "RMSNorm"], ["--attention-backend", "fused"], ["--apply-layernorm-1p"],
-    ["--disable-bias-linear"], ["--decoupled-lr", "5.0e-4"], ["--decoupled-min-lr", "4.5e-5"],
+    ["--disable-bias-linear"],
     ["--cross-entropy-loss-fusion"], ["--manual-gc"], ["--empty-unused-memory-level", "1"],
     ["--exit-duration-in-mins", "235"], ["--fp8-format", "hybrid"], ["--fp8-amax-history-len", "1024"],
     ["--fp8-amax-compute-algo", "max"], ["--fp8-param-gather"], ["--mock-data"],
@@ -273,6 +274,15 @@ MAPPINGS = [
     (["--ddp-bucket-size", "1000"], {"ddp_config.bucket_size": 1000}),
     (["--calculate-per-token-loss"], {"loss_mode": "per_token"}),
     (["--log-num-zeros-in-grad"], {"optimizer_config.log_num_zeros_in_grad": True}),
+    (["--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"],
+     {"optimizer_config.decoupled_lr": 5e-3, "optimizer_config.decoupled_min_lr": 5e-4}),
+    (["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16",
+      "--main-params-dtype", "fp16", "--stochastic-rounding"],
+     {"optimizer_config.use_precision_aware_optimizer": True, "optimizer_config.exp_avg_dtype": torch.bfloat16,
+      "optimizer_config.exp_avg_sq_dtype": torch.float16, "optimizer_config.main_params_dtype": torch.float16,
+      "optimizer_config.stochastic_rounding": True}),
+    (["--bf16", "--use-precision-aware-optimizer", "--no-store-param-remainders"],
+     {"optimizer_config.store_param_remainders": False}),
     (["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--seq-length", "16",
       "--max-position-embeddings", "24", "--ffn-hidden-size", "100", "--init-method-std", "0.01",
       "--untie-embeddings-and-output-weights"],
@@ -456,7 +466,7 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
                  "  --transformer-impl local: the model is this script's own GPT",
                  "  --swiglu: the model is this script's own GPT", "  --num-query-groups 8: the model",
                  "  --hidden-dropout 0.1: the model", "  --attention-backend fused: the model",
-                 "  --decoupled-lr 5.0e-4: decoupled learning rates", "  --eval-iters 32: evaluation is not",
+                 "  --eval-iters 32: evaluation is not",
                  "  --profile: profiling is not implemented"]:
         assert text in err, (text, err)
     # the accepted no-op values are not listed as errors
