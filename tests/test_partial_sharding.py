@@ -238,22 +238,12 @@ def test_expert_params(pools):
     assert pools(DP).run(cases.run_expert_params, 1, True, timeout=BOUND_S) == [("", "")] * DP
 
 
-# ----------------------------------------------------------------------------- what the optimizer still needs
-@pytest.mark.xfail(strict=True, reason=(
-    "optimizer side: ChainedOptimizer sums the statistics over its grad_stats_group (the world by default), "
-    "which holds k copies of every shard with k instances, so the norm is sqrt(k) too large. Needs "
-    "ShardGroup._counts_stats to count only on LocalShard.instance_rank == 0 (see docs/design.md); remove "
-    "this marker then."))
+# ----------------------------------------------------------------------------- the optimizer over k instances
 def test_chained_optimizer_norm_counts_each_element_once(pools):
     one = pools(DP).run(cases.run_chained_optimizer_norm, 1, timeout=BOUND_S)
     two = pools(DP).run(cases.run_chained_optimizer_norm, 2, timeout=BOUND_S)
     assert two == pytest.approx(one, rel=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "optimizer side: a DistributedOptimizer reduces its statistics (and the missing-backward count) over "
-    "LocalShard.group, one instance, so only the failing rank's instance raises. Needs the statistics "
-    "reduced over LocalShard.data_parallel_group with only instance 0 counting gradient elements (see "
-    "docs/design.md); remove this marker then."))
 def test_missing_backward_on_one_rank_raises_on_every_rank(pools):
     assert pools(DP).run(cases.run_missing_backward_on_one_rank, 2, timeout=BOUND_S) == ["raised"] * DP

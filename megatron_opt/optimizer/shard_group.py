@@ -226,12 +226,20 @@ class ShardGroup:
         rank 0 of the group counts them (see _counts_stats) and the sum is still one copy; the
         reduction then also makes a missing backward on one rank known to all."""
         for _, shard in self._shards_in:
-            if collectives.world_size(shard.group) > 1:
-                return [shard.group]
+            # Partial sharding: a shard group is one instance; the decision must cover every
+            # data-parallel rank (only instance 0 counts gradient elements, see _counts_stats).
+            group = shard.data_parallel_group if shard.instance_count > 1 else shard.group
+            if collectives.world_size(group) > 1:
+                return [group]
         return []
 
     @staticmethod
     def _counts_stats(shard: LocalShard) -> bool:
+        """Whether this rank's shard adds to the gradient statistics: every element counts once over
+        the group they are summed over (only instance 0 with partial sharding; only rank 0 when the
+        grads are all-reduced rather than sharded)."""
+        if shard.instance_rank != 0:
+            return False
         return shard.sharded or collectives.rank(shard.group) == 0
 
     def has_shards(self) -> bool:
