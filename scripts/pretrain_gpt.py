@@ -278,7 +278,6 @@ DEMO_DEFAULTS = {
 NOOP_VALUES: dict[str, Optional[str]] = {
     "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--context-parallel-size": "1",
     "--expert-model-parallel-size": "1", "--expert-tensor-parallel-size": "1",
-    "--num-distributed-optimizer-instances": "1",
     "--sequence-parallel": None,  # Megatron-LM itself turns it off when the tensor-parallel size is 1
     "--attention-dropout": "0", "--hidden-dropout": "0",  # the model has no dropout
     "--attention-backend": "auto",  # torch's scaled_dot_product_attention picks its kernel
@@ -294,7 +293,7 @@ UNSUPPORTED_REASONS: list[tuple[tuple[str, ...], str]] = [
     (("--tensor-model-parallel", "--pipeline-model-parallel", "--context-parallel", "--expert-model-parallel",
       "--expert-tensor-parallel", "--sequence-parallel", "--num-layers-per-virtual", "--virtual-pipeline",
       "--num-virtual-stages", "--decoder-first-pipeline", "--decoder-last-pipeline", "--account-for-",
-      "--tp-comm", "--cp-comm", "--hierarchical-context", "--num-distributed-optimizer-instances"),
+      "--tp-comm", "--cp-comm", "--hierarchical-context"),
      "only data parallelism: tensor, pipeline, context and expert parallel sizes must be 1"),
     (("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
       "--per-split-data-args", "--mock-data", "--split", "--data-cache-path", "--vocab-file", "--merge-file",
@@ -401,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="this script's own: fp32 masters for bf16 params even with the precision-aware optimizer")
     opt.add_argument("--stochastic-rounding", action="store_true",
                      help="this script's own: round bf16 moments stochastically")
+    opt.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                     help="shard the optimizer within DP/N-rank instances and replicate it across them "
+                          "(needs --use-distributed-optimizer)")
     opt.add_argument("--use-distributed-optimizer", action="store_true",
                      help="shard the optimizer state over the data-parallel ranks (ZeRO-1); without it every "
                           "rank holds the whole optimizer (plain data parallelism)")
@@ -766,7 +768,7 @@ def build_configs(args: argparse.Namespace, data_parallel_size: int) -> RunConfi
     ddp_config = mo.DistributedDataParallelConfig(
         grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather, use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
+        bucket_size=args.ddp_bucket_size, num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
     optimizer_config = mo.OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,

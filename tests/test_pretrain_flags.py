@@ -272,6 +272,8 @@ MAPPINGS = [
     (["--use-distributed-optimizer", "--overlap-param-gather"],
      {"ddp_config.overlap_param_gather": True, "optimizer_config.overlap_param_gather": True}),
     (["--ddp-bucket-size", "1000"], {"ddp_config.bucket_size": 1000}),
+    (["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+     {"ddp_config.num_distributed_optimizer_instances": 2}),
     (["--calculate-per-token-loss"], {"loss_mode": "per_token"}),
     (["--log-num-zeros-in-grad"], {"optimizer_config.log_num_zeros_in_grad": True}),
     (["--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"],
