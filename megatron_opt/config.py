@@ -135,6 +135,11 @@ class DistributedDataParallelConfig:
             )
 
 
+# (exp_avg, exp_avg_sq) dtype pairs with a CUDA kernel (csrc/adamw_master_*.cu).
+_KERNEL_MOMENT_PAIRS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                        (torch.float16, torch.float16), (torch.bfloat16, torch.float32))
+
+
 @dataclass
 class OptimizerConfig:
     """Optimizer settings (megatron.core.optimizer.OptimizerConfig)."""
@@ -228,9 +233,17 @@ class OptimizerConfig:
         if self.use_precision_aware_optimizer and self.optimizer != "adam":
             raise UnsupportedConfigError(f"{owner}.use_precision_aware_optimizer=True supports optimizer='adam' only "
                                          f"(got {self.optimizer!r}), as in Megatron-LM.")
-        if self.stochastic_rounding and not self.use_precision_aware_optimizer:
-            raise InvalidConfigError(f"{owner}.stochastic_rounding=True rounds 16-bit moments; it needs "
-                                     f"use_precision_aware_optimizer=True with a 16-bit exp_avg_dtype or exp_avg_sq_dtype.")
+        if self.stochastic_rounding and (not self.use_precision_aware_optimizer or torch.bfloat16 not in
+                                         (self.exp_avg_dtype, self.exp_avg_sq_dtype)):
+            raise InvalidConfigError(f"{owner}.stochastic_rounding=True rounds bf16 moments; it needs "
+                                     f"use_precision_aware_optimizer=True with exp_avg_dtype or exp_avg_sq_dtype "
+                                     f"torch.bfloat16.")
+        pair = (self.exp_avg_dtype, self.exp_avg_sq_dtype)
+        if self.optimizer_cuda_graph and pair not in _KERNEL_MOMENT_PAIRS:
+            raise UnsupportedConfigError(
+                f"{owner}.optimizer_cuda_graph=True with (exp_avg_dtype, exp_avg_sq_dtype)={pair}: the CUDA kernels "
+                f"take the pairs {[tuple(str(d) for d in p) for p in _KERNEL_MOMENT_PAIRS]} (others run a torch "
+                f"fallback that cannot be captured in a graph); choose one of them or leave optimizer_cuda_graph off.")
 
     @property
     def uses_param_remainders(self) -> bool:

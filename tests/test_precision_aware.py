@@ -63,6 +63,12 @@ def test_precision_aware_config_validation():
         mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, optimizer="sgd")
     with pytest.raises(mo.InvalidConfigError, match="stochastic_rounding"):
         mo.OptimizerConfig(lr=1e-3, stochastic_rounding=True)
+    with pytest.raises(mo.InvalidConfigError, match="stochastic_rounding"):
+        mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=FP16, stochastic_rounding=True)
+    with pytest.raises(mo.UnsupportedConfigError, match="optimizer_cuda_graph"):
+        mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=FP32, exp_avg_sq_dtype=BF16,
+                           optimizer_cuda_graph=True)
+    mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=BF16, optimizer_cuda_graph=True)
     cfg = mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=BF16)
     assert cfg.uses_param_remainders
     assert not mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, main_params_dtype=FP16).uses_param_remainders
