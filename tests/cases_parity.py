@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 from common import (TinyLM, assert_identical_across_ranks, build, cosine_diff, flat_params, fp64_copy,
-                    full_main_params, global_batch, microbatch_contexts, rank_microbatches, reference_optimizer,
-                    rel_l2, token_loss_sum)
+                    full_main_params, reference_optimizer,
+                    rel_l2, token_loss_sum, train_with_reference)
 
 PRECISIONS = {
     "fp32": dict(dtype=torch.float32, opt=dict()),
@@ -61,25 +61,15 @@ def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad
     Each micro-batch loss is its token mean; every micro-batch has the same token count, so the
     global objective is the mean over all W*GA micro-batches. Returns the error metrics.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     spec = PRECISIONS[precision]
     model = TinyLM(spec["dtype"])
     ref = MasterWeightReference(model, lr, weight_decay, optimizer)
     ddp, opt = build(model, distributed=distributed, overlap_grad=overlap, overlap_param=overlap, bucket_size=300 if overlap else None,
                      lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, optimizer=optimizer, **spec["opt"])
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
-    norms = []
-    for step in range(steps):
-        batches = global_batch(world * ga, seed=100 + step)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        for ctx, (x, y) in zip(microbatch_contexts(ddp, ga), rank_microbatches(batches, rank, world)):
-            with ctx:
-                loss_sum, n = token_loss_sum(ddp(x), y)
-                opt.scale_loss(loss_sum / n / ga * loss_mult).backward()
-        success, norm, _ = opt.step()
-        assert success, f"step {step} skipped unexpectedly"
-        norms.append((norm, ref.step(batches, clip_grad, world, loss_mult)))
+    norms = train_with_reference(ddp, opt, ga, steps, lambda batches: ref.step(batches, clip_grad, world, loss_mult),
+                                 loss_mult)
     if ddp.ddp_config.overlap_param_gather:
         ddp.finish_param_sync()
     assert_identical_across_ranks(flat_params(model))

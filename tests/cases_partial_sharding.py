@@ -17,7 +17,8 @@ import megatron_opt as mo
 from megatron_opt import collectives
 from megatron_opt.distributed import ddp_call
 from common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, full_reduced_grads,
-                    global_batch, microbatch_contexts, rank_microbatches, rel_l2, token_loss_sum)
+                    global_batch, microbatch_contexts, rank_microbatches, rel_l2, token_loss_sum,
+                    train_with_reference)
 from cases_parity import PRECISIONS, MasterWeightReference
 
 
@@ -67,7 +68,7 @@ def run_partial_parity(precision: str, k: int, overlap: bool, grad_fp32: bool = 
                        core_config: bool = False) -> dict:
     """cases_parity.run_parity with k optimizer instances: TinyLM for ``steps`` steps on DP ranks x ``ga``
     micro-batches against the float64 AdamW reference on the same global batch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     spec = PRECISIONS[precision]
     model = TinyLM(spec["dtype"])
     ref = MasterWeightReference(model, lr, weight_decay)
@@ -78,18 +79,7 @@ def run_partial_parity(precision: str, k: int, overlap: bool, grad_fp32: bool = 
         assert len(ddp._buckets) > 2, "the overlap runs must use several buckets"
     check_shards(ddp, k)
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
-    norms = []
-    for step in range(steps):
-        batches = global_batch(world * ga, seed=100 + step)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        for ctx, (x, y) in zip(microbatch_contexts(ddp, ga), rank_microbatches(batches, rank, world)):
-            with ctx:
-                loss_sum, n = token_loss_sum(ddp(x), y)
-                opt.scale_loss(loss_sum / n / ga).backward()
-        success, norm, _ = opt.step()
-        assert success, f"step {step} skipped unexpectedly"
-        norms.append((norm, ref.step(batches, clip_grad, world)))
+    norms = train_with_reference(ddp, opt, ga, steps, lambda batches: ref.step(batches, clip_grad, world))
     if ddp.ddp_config.overlap_param_gather:
         ddp.finish_param_sync()
     assert_identical_across_ranks(flat_params(model))  # every rank of every instance

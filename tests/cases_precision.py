@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import megatron_opt as mo
 from common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, fp64_copy, full_main_params,
-                    global_batch, microbatch_contexts, rank_microbatches, rel_l2, token_loss_sum)
+                    global_batch, rel_l2, token_loss_sum,
+                    train_with_reference)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -88,7 +89,7 @@ def build(kind: str, model: torch.nn.Module, lr: float, wd: float):
 
 
 def run_precision_parity(kind: str, ga: int = 2, steps: int = 5, lr: float = 1e-2, wd: float = 0.1) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     dtype, fields = KINDS[kind]
     model = TinyLM(dtype)
     moment = fields.get("exp_avg_dtype", FP32)
@@ -97,19 +98,8 @@ def run_precision_parity(kind: str, ga: int = 2, steps: int = 5, lr: float = 1e-
     plain = RoundedStateReference(model, lr, wd, FP32, FP32)  # fp32 state: how far rounding moves things
     init = {n: p.detach().double().clone() for n, p in rounded.masters.named_parameters()}
     ddp, opt = build(kind, model, lr, wd)
-    norms = []
-    for step in range(steps):
-        batches = global_batch(world * ga, seed=100 + step)
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        for ctx, (x, y) in zip(microbatch_contexts(ddp, ga), rank_microbatches(batches, rank, world)):
-            with ctx:
-                loss_sum, n = token_loss_sum(ddp(x), y)
-                opt.scale_loss(loss_sum / n / ga).backward()
-        success, norm, _ = opt.step()
-        assert success, f"step {step} skipped"
-        norms.append((norm, rounded.step(batches, world)))
-        plain.step(batches, world)
+    norms = train_with_reference(ddp, opt, ga, steps,
+                                 lambda batches: (rounded.step(batches, world), plain.step(batches, world))[0])
     assert_identical_across_ranks(flat_params(model))
     masters = full_main_params(ddp, opt)
 

@@ -183,3 +183,23 @@ def full_reduced_grads(ddp: mo.DistributedDataParallel) -> dict[str, torch.Tenso
 def sgd_exact(**kw) -> dict:
     """Optimizer settings under which the update is exactly -gradient."""
     return {**dict(optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0, lr=1.0), **kw}
+
+
+def train_with_reference(ddp, opt, ga: int, steps: int, reference_step, loss_mult: float = 1.0) -> list[tuple]:
+    """``steps`` optimizer steps of TinyLM, each on this rank's ``ga`` micro-batches of a fresh global
+    batch (a token-mean loss per micro-batch, / GA), and ``reference_step(batches)`` on the whole
+    global batch. Returns (our grad norm, the reference's return value) per step."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    norms = []
+    for step in range(steps):
+        batches = global_batch(world * ga, seed=100 + step)
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        for ctx, (x, y) in zip(microbatch_contexts(ddp, ga), rank_microbatches(batches, rank, world)):
+            with ctx:
+                loss_sum, n = token_loss_sum(ddp(x), y)
+                opt.scale_loss(loss_sum / n / ga * loss_mult).backward()
+        success, norm, _ = opt.step()
+        assert success, f"step {step} skipped unexpectedly"
+        norms.append((norm, reference_step(batches)))
+    return norms

@@ -50,3 +50,15 @@ def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> 
     for b, a, name in zip(before, after, names):
         if b is not None:
             assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
+
+
+def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 0) -> PieceTable:
+    """Pieces of the given lengths separated by the (cycled) gaps; every 4th piece out of the norm."""
+    starts, ends, pos = [], [], lead
+    for i, n in enumerate(lens):
+        starts.append(pos)
+        ends.append(pos + n)
+        pos += n + gaps[i % len(gaps)]
+    k = len(lens)
+    return PieceTable(tuple(starts), tuple(ends), tuple(i % 4 != 3 for i in range(k)),
+                      tuple(i % groups for i in range(k)), pos)

@@ -9,6 +9,8 @@ stats; a captured CUDA graph replaying the current lr; a shard on a second devic
 """
 from __future__ import annotations
 
+from gap_helpers import pieces_table  # noqa: E402
+
 import math
 
 import pytest
@@ -24,16 +26,6 @@ cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not HAS_GPU_EXT, reason=f"needs a CUDA device and the compiled extension "
                                 f"(cuda: {torch.cuda.is_available()}, extension: {ops.HAS_CUDA_EXT})")
 
-
-def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 0) -> PieceTable:
-    starts, ends, pos = [], [], lead
-    for i, n in enumerate(lens):
-        starts.append(pos)
-        ends.append(pos + n)
-        pos += n + gaps[i % len(gaps)]
-    k = len(lens)
-    return PieceTable(tuple(starts), tuple(ends), tuple(i % 4 != 3 for i in range(k)),
-                      tuple(i % groups for i in range(k)), pos)
 
 
 def shard(table: PieceTable, gdtype, pdtype, seed: int, device="cpu", nstate: int = 2) -> ops.ShardOperands:

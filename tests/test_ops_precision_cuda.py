@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
-from gap_helpers import as_bits, piece_mask
+from gap_helpers import as_bits, piece_mask, pieces_table
 from megatron_opt.ops import precision
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
@@ -59,16 +59,6 @@ FALLBACK_PAIRS = [(FP32, BF16), (FP16, FP32), (BF16, FP16)]
 
 
 # ================================================================================================ helpers
-def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 0) -> PieceTable:
-    starts, ends, pos = [], [], lead
-    for i, n in enumerate(lens):
-        starts.append(pos)
-        ends.append(pos + n)
-        pos += n + gaps[i % len(gaps)]
-    k = len(lens)
-    return PieceTable(tuple(starts), tuple(ends), tuple(i % 4 != 3 for i in range(k)),
-                      tuple(i % groups for i in range(k)), pos)
-
 
 def gapped() -> PieceTable:
     """Pieces with misaligned starts, gaps, touching pieces, a multi-chunk piece and three groups."""
