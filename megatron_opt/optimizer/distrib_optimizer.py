@@ -11,7 +11,6 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import collectives
-from ..config import OptimizerConfig
 from ..distributed.shard_view import GradSource
 from ..megatron.configs import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
