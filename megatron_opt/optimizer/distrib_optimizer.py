@@ -65,7 +65,7 @@ class DistributedOptimizer(MegatronOptimizer):
             model_chunks, update_rule or update_rule_from_config(config), param_groups,
             default_lr=config.lr, default_weight_decay=config.weight_decay, expert_parallel=expert_parallel,
             tensor_parallel_group=tensor_parallel_group,
-            main_params_dtype=config.main_params_dtype if config.use_precision_aware_optimizer else torch.float32,
+            main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)
             param_remainders=config.uses_param_remainders,
         )
         self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
