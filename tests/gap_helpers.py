@@ -52,6 +52,19 @@ def assert_gaps_unchanged(before, after, gap: torch.Tensor, names, who: str) -> 
             assert torch.equal(as_bits(a)[gap], as_bits(b)[gap]), f"{who}: {name} written in a padding gap"
 
 
+def assert_gap_run(names, before, grad, clean, dirty, reference, gap: torch.Tensor, piece: torch.Tensor) -> None:
+    """A pass-2 run with garbage in the gaps: neither the kernel (``dirty``) nor the reference wrote a
+    gap element, the grad (``before[0]`` is its snapshot, ``before[1:]`` the outputs') was not written,
+    and the kernel's piece elements equal those of the run without garbage (``clean``). Output lists
+    follow ``names``; None entries (an absent state or param_out) are skipped."""
+    assert_gaps_unchanged(before[1:], dirty, gap, names, "kernel")
+    assert_gaps_unchanged(before[1:], reference, gap, names, "reference")
+    assert torch.equal(as_bits(grad), as_bits(before[0])), "grad written"
+    for c, d, name in zip(clean, dirty, names):
+        if c is not None:
+            assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), f"kernel: {name} pieces differ from the zero-gap run"
+
+
 def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 0) -> PieceTable:
     """Pieces of the given lengths separated by the (cycled) gaps; every 4th piece out of the norm."""
     starts, ends, pos = [], [], lead
