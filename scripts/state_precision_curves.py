@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import platform
@@ -48,6 +49,8 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        p.error("--plot needs matplotlib (pip install matplotlib); leave out --plot to get the numbers only")
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, option in enumerate(OPTIONS):

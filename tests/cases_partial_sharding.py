@@ -76,7 +76,7 @@ def run_partial_parity(precision: str, k: int, overlap: bool, grad_fp32: bool = 
                              core_config=core_config, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                              **spec["opt"])
     if overlap:
-        assert len(ddp._buckets) > 2, "the overlap runs must use several buckets"
+        assert sum(len(b.buckets) for b in ddp.buffers) > 2, "the overlap runs must use several buckets"
     check_shards(ddp, k)
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
     norms = train_with_reference(ddp, opt, ga, steps, lambda batches: ref.step(batches, clip_grad, world))

@@ -120,6 +120,17 @@ def test_remainders_reconstruct_the_fp32_master_bitwise_after_every_step():
                 assert torch.allclose(p_rem.float(), rem[name], rtol=2**-8, atol=0), name
 
 
+def test_param_groups_hold_leaf_float_tensors_with_remainders():
+    """Contract rule 6 with remainder masters: param_groups hold leaf views (of the bf16 param shard,
+    there being no fp32 master tensor), and a torch optimizer can be rebuilt from them."""
+    (model, _, opt), _ = _two_optimizers(exp_avg_dtype=BF16, exp_avg_sq_dtype=BF16)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert params and all(p.is_leaf and p.grad_fn is None and p.is_floating_point() for p in params)
+    assert BF16 in {p.dtype for p in params}  # the remainder shards' views
+    rebuilt = torch.optim.AdamW([{**g, "params": list(g["params"])} for g in opt.param_groups if g["params"]])
+    assert sum(len(g["params"]) for g in rebuilt.param_groups) == len(params)
+
+
 def test_state_dict_converts_between_fp32_and_16_bit_state():
     def build(**fields):
         model = TinyLM(BF16)
