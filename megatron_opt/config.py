@@ -190,7 +190,6 @@ class OptimizerConfig:
     _UNSUPPORTED = {
         "main_grads_dtype": torch.float32,
         "decoupled_weight_decay": True,
-        "overlap_param_gather_with_optimizer_step": False,
         "optimizer_cpu_offload": False,
         "optimizer_offload_fraction": 0.0,
     }
@@ -210,6 +209,11 @@ class OptimizerConfig:
         if self.fp16 and self.bf16:
             raise InvalidConfigError("OptimizerConfig: fp16 and bf16 are mutually exclusive; set one.")
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
+        if self.overlap_param_gather_with_optimizer_step and not self.use_distributed_optimizer:
+            raise InvalidConfigError(
+                "OptimizerConfig.overlap_param_gather_with_optimizer_step=True overlaps the distributed optimizer's "
+                "param all-gather with its own step; it needs use_distributed_optimizer=True (and the model wrapped "
+                "with DistributedDataParallelConfig(overlap_param_gather=True)), as in Megatron-LM.")
         if self.optimizer not in ("adam", "sgd", "lion"):
             raise UnsupportedConfigError(
                 f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam', 'sgd' or 'lion'."

@@ -324,8 +324,11 @@ UNSUPPORTED_REASONS: list[tuple[tuple[str, ...], str]] = [
      "--tensorboard-log-interval)"),
     (("--profile", "--use-pytorch-profiler", "--record-memory-history", "--memory-snapshot-path"),
      "profiling is not implemented"),
-    (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype",
-      "--overlap-param-gather-with-optimizer-step", "--use-torch-fsdp2", "--use-megatron-fsdp",
+    (("--overlap-param-gather-with-optimizer-step",),
+     "it overlaps the first model chunk's all-gather with the other chunks' update, and this script builds one "
+     "model chunk (Megatron-LM also requires virtual pipeline chunks); megatron_opt's API supports it "
+     "(OptimizerConfig.overlap_param_gather_with_optimizer_step, docs/usage.md)"),
+    (("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype", "--use-torch-fsdp2", "--use-megatron-fsdp",
       "--use-custom-fsdp", "--data-parallel-sharding-strategy", "--ddp-num-buckets", "--ddp-average-in-collective",
       "--ddp-pad-buckets", "--ddp-reduce-scatter-with-fp32", "--nccl-ub", "--optimizer-cuda-graph",
       "--no-align-param-gather", "--muon", "--apply-wd-to-qk-layernorm"),

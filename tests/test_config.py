@@ -44,7 +44,6 @@ DDP_UNSUPPORTED = [
 OPT_UNSUPPORTED = [
     ("main_grads_dtype", torch.bfloat16),
     ("decoupled_weight_decay", False),
-    ("overlap_param_gather_with_optimizer_step", True),
     ("optimizer_cpu_offload", True),
     ("optimizer_offload_fraction", 0.5),
 ]

@@ -109,6 +109,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._base_grad_scale = 1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size
         self.grad_scale_factor = torch.full((1,), self._base_grad_scale, dtype=torch.float32, device=named[0][1].device)
         self.force_all_reduce = False  # Megatron-LM sets it for a step whose main grads it saves whole
+        # Set by get_megatron_optimizer on the first chunk when OptimizerConfig's field of the same
+        # name is on: the optimizer dispatches this chunk's param all-gather inside its step, so a
+        # plain start_param_sync() from a training loop or schedule must not dispatch it again.
+        self.overlap_param_gather_with_optimizer_step = False
         self._storage = {id(p): (p.data_ptr(), p.dtype) for _, p in named}
         for _, p in named:
             p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
@@ -514,9 +518,13 @@ class DistributedDataParallel(torch.nn.Module):
         """All-gather updated param shards; async (waited in forward pre-hooks) with overlap_param_gather.
 
         ``expert_parallel`` limits it to the dense (False) or expert (True) buffers; positional
-        arguments are accepted and ignored, as megatron-core's schedules pass some. ``force_dispatch``
-        (megatron-core's) changes nothing here: the all-gather is always dispatched when asked for.
+        arguments are accepted and ignored, as megatron-core's schedules pass some. As in
+        megatron-core, a chunk whose all-gather the optimizer dispatches during its step
+        (``overlap_param_gather_with_optimizer_step``) does nothing here unless ``force_dispatch``
+        or ``force_sync`` is given.
         """
+        if self.overlap_param_gather_with_optimizer_step and not (force_dispatch or force_sync):
+            return
         async_op = self.ddp_config.overlap_param_gather and not force_sync
         for buf in self._all_buffers:
             if expert_parallel is not None and buf.is_expert_parallel != expert_parallel:

@@ -72,8 +72,9 @@ class GradSource(Protocol):
       ``shard.grad * grad_scale_factor / shard.grad_prescale``.
     * ``step_id``: advanced by ``zero_grad_buffer()``, so the optimizer can tell a new step's gradients.
     * ``grads_received``: gradients accumulated since ``zero_grad_buffer()`` (0: no backward ran).
-    * ``start_param_sync(force_sync=..., expert_parallel=...)`` / ``finish_param_sync()``: all-gather
-      the updated param shards (async with overlap_param_gather).
+    * ``start_param_sync(force_sync=..., force_dispatch=..., expert_parallel=...)`` /
+      ``finish_param_sync()``: all-gather the updated param shards (async with overlap_param_gather);
+      the optimizer always passes ``force_dispatch=True``.
     * ``ddp_config``: the DistributedDataParallelConfig it was built with (the optimizer checks that
       both sides agree on use_distributed_optimizer).
     """
@@ -91,7 +92,8 @@ class GradSource(Protocol):
 
     def finish_grad_sync(self) -> None: ...
 
-    def start_param_sync(self, *unused, force_sync: bool = False, expert_parallel: Optional[bool] = None) -> None: ...
+    def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False,
+                         expert_parallel: Optional[bool] = None) -> None: ...
 
     def finish_param_sync(self) -> None: ...
 

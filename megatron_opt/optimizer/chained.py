@@ -4,6 +4,9 @@ The chain's one StepDriver drives every child's ShardGroup: their local stats go
 reduced with one all-reduce over a group that covers every rank holding any shard (the world by
 default), so there is one global norm, one clip coefficient, one skip decision and one loss-scaler
 update (docs/contract.md rules 2-3). A child cannot be stepped behind the chain's back.
+
+With ``overlap_param_gather_with_optimizer_step`` the first child's param all-gather is dispatched
+(asynchronously) as soon as its update is applied on every rank, before the other children update.
 """
 from __future__ import annotations
 
@@ -42,7 +45,11 @@ class ChainedOptimizer(MegatronOptimizer):
         self.grad_stats_group = grad_stats_group
         device = self.chained_optimizers[0].shard_group.step.device
         scaler = self.chained_optimizers[0].grad_scaler
-        self._driver = StepDriver(self._leaves(), self.config, scaler, [grad_stats_group], device)
+        # Megatron-LM's overlap_param_gather_with_optimizer_step: the first child (the first model
+        # chunk's dense params) all-gathers its params while the other children update theirs.
+        early = 1 if self.config.overlap_param_gather_with_optimizer_step else 0
+        self._driver = StepDriver(self._leaves(), self.config, scaler, [grad_stats_group], device,
+                                  early_param_sync=early)
         for child in self.chained_optimizers:
             child.join_chain(self)
 

@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .. import collectives
+from ..errors import InvalidConfigError
 from ..distributed.shard_view import GradSource
 from ..megatron.configs import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
@@ -73,6 +74,7 @@ class DistributedOptimizer(MegatronOptimizer):
         groups = self.shard_group.stats_groups()
         collectives.check_ranks_agree(
             "DistributedOptimizer", self._fingerprint(), groups[0] if groups else None,
+            local_error=_overlap_with_step_error(config, model_chunks), error_type=InvalidConfigError,
             fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
                 "param groups and loss scaler.")
 
@@ -132,6 +134,19 @@ class DistributedOptimizer(MegatronOptimizer):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self.shard_group.start_param_sync(force_sync=True)
         self.shard_group.finish_param_sync()
+
+
+def _overlap_with_step_error(config: Any, model_chunks: Sequence[GradSource]) -> Optional[str]:
+    """overlap_param_gather_with_optimizer_step dispatches async all-gathers that the forward
+    pre-hooks wait for, so (as in Megatron-LM) the chunks must be wrapped with overlap_param_gather."""
+    if not config.overlap_param_gather_with_optimizer_step:
+        return None
+    if all(chunk.ddp_config.overlap_param_gather for chunk in model_chunks):
+        return None
+    return ("OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs every model chunk wrapped with "
+            "DistributedDataParallelConfig(overlap_param_gather=True) (its forward pre-hooks wait for the "
+            "all-gathers the step dispatches); set overlap_param_gather=True, or turn "
+            "overlap_param_gather_with_optimizer_step off.")
 
 
 __all__ = ["DistributedOptimizer", "STATE_DICT_FORMAT"]

@@ -101,6 +101,12 @@ def get_megatron_optimizer(
     expert-parallel params (``param.allreduce == False``) exist. Called as Megatron-LM calls it (a
     megatron-core OptimizerConfig, or chunks built with megatron-core's DDP call shape), it returns a
     ChainedOptimizer in every case, as megatron-core does.
+
+    With ``overlap_param_gather_with_optimizer_step`` (megatron-core's semantics) it returns a
+    ChainedOptimizer whose first child owns the first chunk's dense params and the second the other
+    chunks'; the step all-gathers the first chunk's params asynchronously as soon as that child's
+    update is applied on every rank, while the other children update theirs, and the first chunk's
+    own ``start_param_sync()`` then dispatches nothing (``force_dispatch=True`` still does).
     """
     megatron_core_call = not is_ours(config)
     config = as_optimizer_config(config)
@@ -118,18 +124,32 @@ def get_megatron_optimizer(
             )
         megatron_core_call = megatron_core_call or getattr(chunk, "config", None) is not None
     _check_pg_collection(pg_collection)
-    groups = get_param_groups(chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult, config_overrides)
+
+    def groups_of(some_chunks: list) -> list[dict]:
+        return get_param_groups(some_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult, config_overrides)
+
+    groups = groups_of(chunks)
+    expert_groups = [g for g in groups if g["is_expert_parallel"]]
+    # megatron-core's split for overlap_param_gather_with_optimizer_step: the first chunk's dense
+    # params get their own optimizer, stepped first, so their all-gather overlaps the rest of the step.
+    overlap_with_step = config.overlap_param_gather_with_optimizer_step
+    splits = [chunks[:1], chunks[1:]] if overlap_with_step and len(chunks) > 1 else [chunks]
+    dense_per_split = [[g for g in (groups if len(splits) == 1 else groups_of(split)) if not g["is_expert_parallel"]]
+                       for split in splits]
+    for i, chunk in enumerate(chunks):
+        if hasattr(chunk, "overlap_param_gather_with_optimizer_step"):  # megatron-core sets it on the chunks too
+            chunk.overlap_param_gather_with_optimizer_step = bool(overlap_with_step and i == 0)
     if dump_param_to_param_group_map is not None:
-        _dump_param_groups(chunks, groups, dump_param_to_param_group_map)
+        dumped = groups if len(splits) == 1 else [g for dense in dense_per_split for g in dense] + expert_groups
+        _dump_param_groups(chunks, dumped, dump_param_to_param_group_map)
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
-    dense_groups = [g for g in groups if not g["is_expert_parallel"]]
-    expert_groups = [g for g in groups if g["is_expert_parallel"]]
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    children = [DistributedOptimizer(config, chunks, dense_groups, scaler, expert_parallel=False, **common)]
+    children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
+                for split, dense in zip(splits, dense_per_split)]
     if expert_groups:
         children.append(DistributedOptimizer(config, chunks, expert_groups, scaler, expert_parallel=True, **common))
-    if len(children) == 1 and not megatron_core_call:
+    if len(children) == 1 and not megatron_core_call and not overlap_with_step:
         return children[0]
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
 

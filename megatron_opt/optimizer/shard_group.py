@@ -282,7 +282,8 @@ class ShardGroup:
     def start_param_sync(self, force_sync: bool = False) -> None:
         for source in self.sources:
             if source.local_shards(self.is_expert_parallel):
-                source.start_param_sync(force_sync=force_sync, expert_parallel=self.is_expert_parallel)
+                source.start_param_sync(force_sync=force_sync, force_dispatch=True,
+                                        expert_parallel=self.is_expert_parallel)
 
     def finish_param_sync(self) -> None:
         for source in self.sources:

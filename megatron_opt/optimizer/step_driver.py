@@ -71,8 +71,14 @@ class StepDriver:
     """Runs the step over ``leaves``; every statistic is reduced over ``stats_groups`` in turn."""
 
     def __init__(self, leaves: Sequence[Leaf], config: Any, grad_scaler: Optional[MegatronGradScaler],
-                 stats_groups: Sequence[Optional[torch.distributed.ProcessGroup]], device: torch.device) -> None:
+                 stats_groups: Sequence[Optional[torch.distributed.ProcessGroup]], device: torch.device,
+                 early_param_sync: int = 0) -> None:
+        """``early_param_sync`` = n > 0: the first n leaves are updated, agreed on and have their param
+        all-gather dispatched before the other leaves are updated (Megatron-LM's
+        overlap_param_gather_with_optimizer_step: the first model chunk's all-gather overlaps the rest
+        of the step)."""
         self.leaves = list(leaves)
+        self.early_param_sync = early_param_sync if 0 < early_param_sync < len(self.leaves) else 0
         self.config = config
         self.grad_scaler = grad_scaler
         self.stats_groups = list(stats_groups)
@@ -183,17 +189,29 @@ class StepDriver:
                 # Once per step, and only for a step that is applied: a step skipped for its norm
                 # (grad_norm_skip_threshold) leaves the scaler exactly as it was.
                 self.grad_scaler.update(False)
-            with record_function("megatron_opt.pass2"):
-                for leaf in self.leaves:
-                    leaf.apply_update(self._clip_coef)
         except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
             failure = exc
-        self._agree_before_param_sync(failure)
-        with record_function("megatron_opt.param_sync"):
-            for leaf in self.leaves:
-                leaf.start_param_sync()
+        for stage in self._update_stages():
+            if failure is None:
+                try:
+                    with record_function("megatron_opt.pass2"):
+                        for leaf in stage:
+                            leaf.apply_update(self._clip_coef)
+                except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+                    failure = exc
+            # Every rank agrees before it enters an all-gather, also between the stages: a rank that
+            # failed in a later stage has already joined the earlier stages' all-gathers.
+            self._agree_before_param_sync(failure)
+            with record_function("megatron_opt.param_sync"):
+                for leaf in stage:
+                    leaf.start_param_sync()
         self._state = StepState.STEPPED
         return True
+
+    def _update_stages(self) -> list[list[Leaf]]:
+        """The leaves in the order their updates are applied and their params all-gathered."""
+        n = self.early_param_sync
+        return [self.leaves[:n], self.leaves[n:]] if n else [self.leaves]
 
     def _agree_before_param_sync(self, failure: Optional[BaseException]) -> None:
         """A failure in the update on one rank must not leave the others in the param all-gather:
