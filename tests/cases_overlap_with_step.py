@@ -190,3 +190,40 @@ def run_second_child_fails_on_one_rank() -> dict:
     first = {n: p.detach().clone() for n, p in chunks[0].module.named_parameters()}
     return {"error": error, "seconds": time.monotonic() - start, "first_chunk": torch.cat([t.reshape(-1) for t in
                                                                                             first.values()])}
+
+
+def run_save(path: str, steps: int = 2) -> dict:
+    """Train the two-chunk model with the option for ``steps`` steps and checkpoint it."""
+    from megatron_opt import checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lm = TinyLM()
+    chunks, opt = build_chunks(lm, True)
+    for step in range(steps):
+        train_step(chunks, opt, rank_microbatches(global_batch(world * 2, seed=20 + step), rank, world))
+    for c in chunks:
+        c.finish_param_sync()
+    checkpoint.save(path, chunks, opt, iteration=steps)
+    out = {"masters": opt.gather_main_params(), "params": flat_params(lm).clone()}
+    train_step(chunks, opt, rank_microbatches(global_batch(world * 2, seed=50), rank, world))
+    for c in chunks:
+        c.finish_param_sync()
+    out["params_after_next_step"] = flat_params(lm).clone()
+    return out
+
+
+def run_load_and_step(path: str) -> dict:
+    """Load that checkpoint into a fresh two-chunk model (any DP size), then take one more step."""
+    from megatron_opt import checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lm = TinyLM(seed=99)
+    chunks, opt = build_chunks(lm, True)
+    checkpoint.load(path, chunks, opt)
+    out = {"masters": opt.gather_main_params(), "params": flat_params(lm).clone()}
+    success, norm, _ = train_step(chunks, opt, rank_microbatches(global_batch(world * 2, seed=50), rank, world))
+    for c in chunks:
+        c.finish_param_sync()
+    assert_identical_across_ranks(flat_params(lm))
+    out.update(success=bool(success), norm=norm, params_after_next_step=flat_params(lm).clone())
+    return out
