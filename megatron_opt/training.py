@@ -22,7 +22,7 @@ import contextlib
 import zlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -153,7 +153,6 @@ def train_step(
     # instead of a rank waiting in a collective the failed one never joins.
     aux_names: Optional[list[str]] = None
     totals: Optional[torch.Tensor] = None  # [denominator, samples, loss sum, aux sums...], local to this rank
-    failure: Optional[BaseException] = None
     handle = None
     last = len(microbatches) - 1
     count_samples = scheduler is not None and samples_per_step is None
@@ -187,7 +186,6 @@ def train_step(
     except Exception as exc:  # noqa: BLE001  (re-raised on every rank by _agree)
         if handle is not None:
             raise  # the last backward failed: the other ranks are already reducing (documented)
-        failure = exc
         _agree(dp_group, exc, aux_names)
     handle.wait()
     denominator = totals[0].clamp(min=1.0)  # only the global count is clamped

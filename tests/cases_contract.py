@@ -11,7 +11,7 @@ import megatron_opt as mo
 from megatron_opt import ops
 from megatron_opt import collectives
 from common import (Probe, TinyLM, assert_identical_across_ranks, build, flat_params, fp64_copy,
-                    full_main_params, full_reduced_grads, global_batch, microbatch_contexts, rank_microbatches,
+                    full_main_params, full_reduced_grads, global_batch, microbatch_contexts,
                     sgd_exact, token_loss_sum)
 
 

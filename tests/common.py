@@ -203,3 +203,24 @@ def train_with_reference(ddp, opt, ga: int, steps: int, reference_step, loss_mul
         assert success, f"step {step} skipped unexpectedly"
         norms.append((norm, reference_step(batches)))
     return norms
+
+
+def assert_within(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
+    """|got - want| <= atol + rtol * |want| elementwise (NaNs must match); cheap on large tensors."""
+    got, want = got.double(), want.to(device=got.device, dtype=torch.float64)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if got.numel() == 0:
+        return
+    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
+    err = (got - want).abs().masked_fill_(nan_w, 0.0)
+    same_inf = torch.isinf(want) & (got == want)
+    err.masked_fill_(same_inf, 0.0)
+    tol = atol + rtol * want.abs().masked_fill(nan_w | same_inf, 0.0)
+    bad = err > tol
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {got.numel()} elements out of tolerance; first at {i}: "
+            f"got {got[i].item()!r}, want {want[i].item()!r} (rtol={rtol}, atol={atol})"
+        )

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import os
 import pathlib
 
 import pytest

@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 
-import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
 from megatron_opt.checkpoint.boxes import flat_range_to_boxes

@@ -1,5 +1,4 @@
 """CONTRACT rules 1-9: each test names the bug it would catch."""
-import math
 
 import pytest
 import torch

@@ -9,8 +9,6 @@ start is a multiple of 64 elements at every DP (tests/test_layout_alignment.py c
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
 
 import pytest
 import torch

@@ -24,6 +24,7 @@ from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
+from common import assert_within as _assert_within
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -167,27 +168,6 @@ def oracle_sgd(grad, master, buf, table, lr, wd, grad_scale, momentum, nesterov)
 # =================================================================================================
 # Comparisons
 # =================================================================================================
-def _assert_within(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    """|got - want| <= atol + rtol * |want| elementwise (NaNs must match); cheap on large tensors."""
-    got, want = got.double(), want.to(device=got.device, dtype=torch.float64)
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if got.numel() == 0:
-        return
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    err = (got - want).abs().masked_fill_(nan_w, 0.0)
-    same_inf = torch.isinf(want) & (got == want)
-    err.masked_fill_(same_inf, 0.0)
-    tol = atol + rtol * want.abs().masked_fill(nan_w | same_inf, 0.0)
-    bad = err > tol
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {got.numel()} elements out of tolerance; first at {i}: "
-            f"got {got[i].item()!r}, want {want[i].item()!r} (rtol={rtol}, atol={atol})"
-        )
-
-
 def assert_fp32_close(out: torch.Tensor, want: torch.Tensor, what: str = "") -> None:
     assert out.dtype == torch.float32
     finite = want[torch.isfinite(want)]

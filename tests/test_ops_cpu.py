@@ -59,7 +59,6 @@ def test_excluded_piece_inf_is_still_found():
 def test_adamw_matches_reference(param_dtype, grad_dtype):
     numel = 4096
     table = _table(numel, 5)
-    gen = torch.Generator().manual_seed(6)
     states = []
     for impl in (cpu, reference):
         master = torch.randn(numel, generator=torch.Generator().manual_seed(7))

@@ -25,6 +25,7 @@ from megatron_opt.ops import cpu as cpu_impl
 from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
+from common import assert_within as _assert_within
 
 LR = [1e-2, 3e-3]
 WD = [0.1, 0.0]  # group 1 has no decay: the kernel's `decay != 0` branch is taken both ways
@@ -143,26 +144,6 @@ def oracle_lion(grad, master, m, table, lr, wd, grad_scale, beta1=BETA1, beta2=B
 # =================================================================================================
 # Comparisons
 # =================================================================================================
-def _assert_within(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, what: str) -> None:
-    """|got - want| <= atol + rtol * |want| elementwise; NaN and inf positions must match."""
-    got, want = got.detach().cpu().double(), want.detach().cpu().double()
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if got.numel() == 0:
-        return
-    nan_g, nan_w = torch.isnan(got), torch.isnan(want)
-    assert torch.equal(nan_g, nan_w), f"{what}: NaN positions differ"
-    same_inf = torch.isinf(want) & (got == want)
-    err = (got - want).abs().masked_fill_(nan_w | same_inf, 0.0)
-    tol = atol + rtol * want.abs().masked_fill(nan_w | same_inf, 0.0)
-    bad = err > tol
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {got.numel()} elements out of tolerance; first at {i}: "
-            f"got {got[i].item()!r}, want {want[i].item()!r} (rtol={rtol}, atol={atol})"
-        )
-
-
 def assert_fp32_close(out: torch.Tensor, want: torch.Tensor, what: str, skip: torch.Tensor | None = None) -> None:
     """A few fp32 roundings: rtol 2e-6 and atol 1e-7 * max|want| (what a single step allows, and
     still more than several steps need). ``skip``: near ties of sign(c) (see oracle_lion), at most

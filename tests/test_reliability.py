@@ -57,7 +57,6 @@ def test_16bit_grad_buffers_are_prescaled_before_their_reduction(pools, grad_fp3
 
 # ----------------------------------------------------------------------------- clear errors, single process
 def _one_step(loss_fn, mode="per_token"):
-    import torch
 
     import megatron_opt as mo
     from common import TinyLM, build, global_batch
@@ -94,7 +93,6 @@ def test_bad_loss_fn_outputs_get_clear_errors(returns, expect):
 
 
 def test_nested_no_sync_keeps_accumulating():
-    import torch
 
     from common import TinyLM, build, global_batch, token_loss_sum
 
@@ -170,7 +168,6 @@ def test_a_group_without_this_rank_is_refused(pools):
 
 
 def test_ddp_built_before_init_process_group_is_caught(monkeypatch):
-    import torch
     import torch.distributed as dist
 
     import megatron_opt as mo
