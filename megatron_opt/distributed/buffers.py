@@ -118,6 +118,9 @@ class Bucket:
     def start_param_sync(self, async_op: bool) -> None:
         if self.buffer.shard_count == 1:
             return  # every rank updated the whole bucket itself
+        # An all-gather still in flight (dispatched by the step, then a forced sync before the next
+        # forward) is waited first: a dropped handle would leave it writing the buffer unobserved.
+        self.finish_param_sync()
         self.param_handle = collectives.all_gather(self.param_data, self.param_shard, self.buffer.group, async_op)
 
     def finish_param_sync(self) -> None:
