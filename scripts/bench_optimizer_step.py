@@ -39,12 +39,49 @@ second with a different, larger gradient, so that clipping shows in AdamW's resu
 (``gather_main_params()``), its grad norms and its bf16 params are compared with the Megatron-like and
 torch fused results; a mismatch makes the script exit 1.
 
+``--mo-states fp32,bf16,bf16+rem``: ours' optimizer-state options (Megatron-LM's precision-aware
+optimizer fields; the same names and ``OptimizerConfig`` fields as ``scripts/bench_step.py --mo-states``):
+
+  fp32       fp32 masters, fp32 exp_avg and exp_avg_sq (the default; this is "ours" above).
+  bf16       use_precision_aware_optimizer, bf16 exp_avg and exp_avg_sq, fp32 masters
+             (store_param_remainders=False).
+  bf16+rem   use_precision_aware_optimizer, bf16 moments, store_param_remainders: a bf16 param's fp32
+             master is the bf16 param plus an int16 remainder (Megatron-LM's bf16 setting).
+
+fp32 is always run (it is the baseline; listed first whether named or not). Each option's step is timed
+in the same run on the same shard and data, eagerly and with ``optimizer_cuda_graph`` (a config that
+refuses the graph, a moment pair without CUDA kernels, is reported as skipped with the config's
+message). Per option: ms, effective GB/s and ms / floor against the option's own byte floor, and the
+speedup ``fp32-state ms / option ms`` (eager against eager, graph against graph; > 1 is faster). Byte
+floor per owned element with bf16 params and fp32 main grads (docs/kernels.md section 4; "p16 in" is
+the bf16 param a remainder master reads to rebuild the fp32 master):
+
+  fp32       pass 1 g 4; pass 2 reads g 4 + w 4 + m 4 + v 4 = 16, writes w 4 + m 4 + v 4 + p 2 = 14: 34 B
+  bf16       pass 1 g 4; pass 2 reads g 4 + w 4 + m 2 + v 2 = 12, writes w 4 + m 2 + v 2 + p 2 = 10: 26 B
+  bf16+rem   pass 1 g 4; pass 2 reads g 4 + r 2 + p16 in 2 + m 2 + v 2 = 12,
+             writes r 2 + p 2 + m 2 + v 2 = 8: 24 B
+
+so at the floor the 16-bit options are 34/26 = 1.31x and 34/24 = 1.42x faster than fp32 state. On CPU
+the precision-aware step runs torch's fused loop on widened fp32 copies (docs/usage.md), so it moves
+more bytes than its floor there and may well be slower than fp32 state: the table reports what it
+measures. With ``--check`` each option also takes the two check steps, and its masters
+(``gather_main_params()``: exact fp32 masters, also with remainders) are compared with the fp32-state
+run's: the grad norms within 1e-5 (pass 1 reads the same fp32 grads), and per tensor the two-step
+update ``||(w_opt - w0) - (w_fp32 - w0)|| / ||w_fp32 - w0||`` within 1e-2 (bf16 moments keep 8
+significant bits: each stored moment is off by at most 2^-9 relative, so the second step's update by
+about 2^-9 + 2^-10 per element, ~1e-3 in norm; a 10% wrong learning rate gives 1e-1), and its bf16
+params must be its own masters rounded to bf16 (at most 1e-3 of them differ: ties round away from zero
+with remainders, to even otherwise).
+
 Usage (GPU; build the CUDA extension first, e.g. ``pip install -e . --no-build-isolation``):
     python3 scripts/bench_optimizer_step.py --check --json step.json --plot step.png
 (on an H100 the default sizes 2^22..2^28 take about 20 s with --check, after a ~1 min build; peak GPU
 memory about 34 B * N, 9 GiB at 2^28; a size that does not fit in the free memory is skipped.)
+16-bit state against fp32 state (GPU; one table row per size and option, the plot gains a speedup panel):
+    python3 scripts/bench_optimizer_step.py --check --mo-states fp32,bf16,bf16+rem --json states.json --plot states.png
 CPU smoke test (gloo, host timers, a few seconds):
     python scripts/bench_optimizer_step.py --device cpu --log2-sizes 12,14 --iters 2 --warmup 1 --check
+    python scripts/bench_optimizer_step.py --device cpu --log2-sizes 12,14 --iters 3 --check --mo-states fp32,bf16,bf16+rem
 Re-plot from a saved JSON (no benchmark): --from-json step.json --plot step.png
 """
 from __future__ import annotations
@@ -81,6 +118,27 @@ LABELS = {"ours": "ours (megatron_opt)", "ours_graph": "ours, optimizer_cuda_gra
 # the grad norms, and the share of bf16 params that may differ (a master a few ulps apart can round the
 # other way near a bf16 tie).
 TOL_MASTER, TOL_UPDATE, TOL_NORM, TOL_BF16_MISMATCH = 1e-5, 1e-4, 1e-5, 1e-3
+# --check of a 16-bit state option against the fp32-state run: the per-tensor two-step update (bf16 moments
+# round each stored moment by <= 2^-9 relative; see the docstring); norms and bf16 params as above.
+TOL_STATE_UPDATE = 1e-2
+
+# --mo-states: ours' optimizer-state options, the same names and OptimizerConfig fields as
+# scripts/bench_step.py's MO_STATES (tests/test_bench_optimizer_step.py checks that they agree).
+MO_STATES = {
+    "fp32": dict(),
+    "bf16": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+                 store_param_remainders=False),
+    "bf16+rem": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
+}
+STATE_LABELS = {"fp32": "fp32 state", "bf16": "bf16 m,v", "bf16+rem": "bf16 m,v + remainders"}
+# Byte floor per owned element (bf16 params, fp32 main grads): pass 1 reads g (4), then pass 2 (docstring):
+STATE_FLOOR_BYTES = {
+    "fp32": 4 + (4 + 4 + 4 + 4) + (4 + 4 + 4 + 2),  # 34 = FLOOR_BYTES: g | g w m v | w m v p
+    "bf16": 4 + (4 + 4 + 2 + 2) + (4 + 2 + 2 + 2),  # 26: g | g w m16 v16 | w m16 v16 p
+    "bf16+rem": 4 + (4 + 2 + 2 + 2 + 2) + (2 + 2 + 2 + 2),  # 24: g | g r p16 m16 v16 | r p m16 v16
+}
+assert STATE_FLOOR_BYTES["fp32"] == FLOOR_BYTES
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -168,8 +226,15 @@ class Data:
 class Ours:
     name = "ours"
 
-    def __init__(self, data: Data, args, device: torch.device, cuda_graph: bool = False) -> None:
+    def __init__(self, data: Data, args, device: torch.device, cuda_graph: bool = False,
+                 state: str = "fp32") -> None:
         self.cuda_graph = cuda_graph
+        self.state = state
+        # first the config: it raises UnsupportedConfigError for a graph it cannot capture, before any allocation
+        config = mo.OptimizerConfig(
+            optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.beta1,
+            adam_beta2=args.beta2, adam_eps=args.eps, clip_grad=args.clip_grad, bf16=True,
+            use_distributed_optimizer=True, optimizer_cuda_graph=cuda_graph, **MO_STATES[state])
         self.model = Stack(data.spec, device)
         named = list(self.model.named_parameters())
         if [(n, tuple(p.shape)) for n, p in named] != data.shapes:
@@ -180,13 +245,13 @@ class Ours:
         self.params = [p for _, p in named]
         self.ddp = mo.DistributedDataParallel(self.model, mo.DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True))
-        self.opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
-            optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.beta1,
-            adam_beta2=args.beta2, adam_eps=args.eps, clip_grad=args.clip_grad, bf16=True,
-            use_distributed_optimizer=True, optimizer_cuda_graph=cuda_graph), self.ddp)
-        if args.perturb_ours_lr != 1.0:  # only to prove that --check catches a wrong update
+        self.opt = mo.get_megatron_optimizer(config, self.ddp)
+        # only to prove that --check catches a wrong update: of the fp32-state ours against the peers, or
+        # of a 16-bit state option against the fp32-state ours
+        perturb = args.perturb_ours_lr if state == "fp32" else args.perturb_state_lr
+        if perturb != 1.0:
             for group in self.opt.param_groups:
-                group["lr"] *= args.perturb_ours_lr
+                group["lr"] *= perturb
         self.grads = data.views(data.grad)
 
     def set_grads(self, flat: Optional[torch.Tensor] = None) -> None:
@@ -400,8 +465,43 @@ def run_check(data: Data, args, device: torch.device) -> dict:
         report[cls.name] = entry
         del peer, result
         free_memory(device)
+    report["states"] = {}
+    for state in args.mo_states:
+        if state == "fp32":
+            continue
+        entry = check_state(state, data, args, device, grads, w0, ours_masters, ours_norms)
+        ok = ok and entry["ok"]
+        report["states"][state] = entry
     report["ok"] = ok
     return report
+
+
+def check_state(state: str, data: Data, args, device: torch.device, grads: list[torch.Tensor],
+                w0: list[torch.Tensor], ref_masters: list[torch.Tensor], ref_norms: list[float]) -> dict:
+    """Two steps of ours with a 16-bit state option against the fp32-state ours (same data, same grads)."""
+    opt = Ours(data, args, device, state=state)
+    norms = []
+    for g in grads:
+        opt.set_grads(g)
+        norms.append(float(opt.step()))
+    masters = [t.clone() for t in opt.masters(data)]
+    bf16 = opt.bf16_params()
+    # the bf16 params must be these masters rounded (the write-back of pass 2)
+    mismatched = sum(int((p != m.to(torch.bfloat16)).sum()) for p, m in zip(bf16, masters))
+    del opt, bf16
+    free_memory(device)
+    update_rel = max(rel(a - w, b - w) for a, b, w in zip(masters, ref_masters, w0))
+    entry = {"grad_norms": norms, "master_rel_diff": max(rel(a, b) for a, b in zip(masters, ref_masters)),
+             "update_rel_diff": update_rel, "grad_norm_rel_diff": max(abs(a - b) / abs(b) for a, b in
+                                                                      zip(norms, ref_norms)),
+             "bf16_param_mismatch_fraction": mismatched / data.n,
+             "tolerance": {"update_rel_diff (max per tensor)": TOL_STATE_UPDATE, "grad_norm_rel_diff": TOL_NORM,
+                           "bf16_param_mismatch_fraction": TOL_BF16_MISMATCH}}
+    entry["ok"] = (update_rel <= TOL_STATE_UPDATE and entry["grad_norm_rel_diff"] <= TOL_NORM
+                   and entry["bf16_param_mismatch_fraction"] <= TOL_BF16_MISMATCH
+                   and all(math.isfinite(entry[k]) for k in ("master_rel_diff", "update_rel_diff",
+                                                              "grad_norm_rel_diff")))
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -439,17 +539,39 @@ def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optio
                               "gbs": FLOOR_BYTES * n / (ms * 1e-3) / 1e9, "floor_ratio": ms / row["floor_ms"]}
         print(f"  2^{log2} {LABELS[name]:<20} {ms:9.3f} ms", file=sys.stderr, flush=True)
 
-    ours = Ours(data, args, device)
-    row["ours_backend"] = ours.backend()
-    record("ours", time_calls(ours.set_grads, ours.step, device, args.warmup, args.iters))
-    del ours
-    free_memory(device)
-    ours_graph = Ours(data, args, device, cuda_graph=True)
-    record("ours_graph", time_calls(ours_graph.set_grads, ours_graph.step, device, args.warmup, args.iters))
-    if not bool(ours_graph.opt.skipped_steps == 0):
-        raise RuntimeError("optimizer_cuda_graph skipped a step")
-    del ours_graph
-    free_memory(device)
+    row["states"] = {}
+    for state in args.mo_states:  # fp32 first: "ours" and "ours_graph"; then each 16-bit state option
+        floor_b = STATE_FLOOR_BYTES[state]
+        st = row["states"][state] = {"label": STATE_LABELS[state], "floor_bytes": floor_b,
+                                     "floor_ms": floor_b * n / (copy_gbs * 1e9) * 1e3,
+                                     "ideal_speedup_vs_fp32": FLOOR_BYTES / floor_b}
+        for mode, graph in (("eager", False), ("graph", True)):
+            try:
+                ours = Ours(data, args, device, cuda_graph=graph, state=state)
+            except mo.UnsupportedConfigError as e:  # optimizer_cuda_graph for a moment pair without kernels
+                st[mode] = {"skipped": str(e)}
+                print(f"  2^{log2} {STATE_LABELS[state]}, {mode}: skipped ({e})", file=sys.stderr, flush=True)
+                continue
+            if state == "fp32" and not graph:
+                row["ours_backend"] = ours.backend()
+            times = time_calls(ours.set_grads, ours.step, device, args.warmup, args.iters)
+            if graph and not bool(ours.opt.skipped_steps == 0):
+                raise RuntimeError(f"optimizer_cuda_graph skipped a step ({state} state)")
+            del ours
+            free_memory(device)
+            ms = statistics.median(times)
+            st[mode] = {"ms": ms, "min_ms": min(times), "times_ms": times, "gbs": floor_b * n / (ms * 1e-3) / 1e9,
+                        "floor_ratio": ms / st["floor_ms"]}
+            if state == "fp32":
+                record("ours_graph" if graph else "ours", times)
+            else:
+                print(f"  2^{log2} {STATE_LABELS[state] + (', graph' if graph else ''):<20} {ms:9.3f} ms",
+                      file=sys.stderr, flush=True)
+    for state, st in row["states"].items():  # against the fp32-state step of the same mode
+        for mode in ("eager", "graph"):
+            base = row["states"]["fp32"][mode]
+            if "ms" in st[mode] and "ms" in base:
+                st[mode]["speedup_vs_fp32"] = base["ms"] / st[mode]["ms"]
     for cls in (MegatronLike, TorchFused):  # each allocated only for its own measurement
         record(cls.name, time_peer(cls(data, args, device), data, args, device))
         free_memory(device)
@@ -465,6 +587,11 @@ def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optio
             f"{k}: master {c[k]['master_rel_diff']:.1e}, update {c[k]['update_rel_diff']:.1e}, "
             f"norm {c[k]['grad_norm_rel_diff']:.1e}, bf16 mismatch {c[k]['bf16_param_mismatch_fraction']:.1e}"
             for k in ("megatron_like", "torch_fused")), file=sys.stderr, flush=True)
+        for state, e in c["states"].items():
+            print(f"  2^{log2} check {STATE_LABELS[state]} vs fp32 state {'ok' if e['ok'] else 'MISMATCH'}: "
+                  f"update {e['update_rel_diff']:.1e} (tol {TOL_STATE_UPDATE:g}), master {e['master_rel_diff']:.1e}, "
+                  f"norm {e['grad_norm_rel_diff']:.1e}, bf16 vs own masters {e['bf16_param_mismatch_fraction']:.1e}",
+                  file=sys.stderr, flush=True)
     del data
     free_memory(device, collect=True)
     return row
@@ -494,6 +621,42 @@ def markdown_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def has_states(results: list[dict]) -> bool:
+    return any(len(r.get("states", {})) > 1 for r in results)
+
+
+def states_table(results: list[dict]) -> str:
+    """One row per size and state option: 16-bit state against fp32 state at a glance."""
+    head = ["elements (2^k)", "state", "floor B/elem", "floor ms", "eager ms", "eager GB/s", "eager / floor",
+            "eager vs fp32", "graph ms", "graph GB/s", "graph / floor", "graph vs fp32", "floor vs fp32",
+            "check vs fp32 (update)"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 3) + "---|"]
+    for r in results:
+        if "skipped" in r:
+            continue
+        check = r.get("check", {}).get("states", {})
+        for state, st in r["states"].items():
+            cells = [f"{r['n']:,} (2^{r['log2_size']})", st["label"], str(st["floor_bytes"]), f"{st['floor_ms']:.3g}"]
+            for mode in ("eager", "graph"):
+                m = st[mode]
+                if "ms" not in m:
+                    cells += ["skipped (config refuses)", "", "", ""]
+                    continue
+                speedup = f"{m['speedup_vs_fp32']:.2f}"
+                cells += [f"{m['ms']:.3f}", gbs(m["gbs"]), f"{m['floor_ratio']:.2f}",
+                          f"{speedup}x" + (" (slower)" if float(speedup) < 1 else "")]
+            cells.append(f"{st['ideal_speedup_vs_fp32']:.2f}x")
+            if state == "fp32":
+                cells.append("reference" if "check" in r else "")
+            elif state in check:
+                c = check[state]
+                cells.append(f"{'ok' if c['ok'] else 'MISMATCH'} ({c['update_rel_diff']:.1e})")
+            else:
+                cells.append("")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: str) -> None:
     import matplotlib
 
@@ -501,7 +664,11 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in report["results"] if "skipped" not in r]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    states = has_states(rows)
+    if states:  # a second panel: each state option's speedup against the fp32-state step
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 5))
+    else:
+        fig, ax = plt.subplots(figsize=(8, 5))
     xs = [r["n"] for r in rows]
     for name, marker in zip(IMPLS, "o^sd"):
         ax.plot(xs, [r["impls"][name]["gbs"] for r in rows], marker=marker, label=LABELS[name])
@@ -513,6 +680,27 @@ def plot(report: dict, path: str) -> None:
     ax.set_title(f"Optimizer step (AdamW, bf16 params, fp32 grads, clip) on {report['device']}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
+    if states:
+        names = [k for k in rows[0]["states"] if k != "fp32"]
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, state in enumerate(names):
+            color = colors[i % len(colors)]
+            label = rows[0]["states"][state]["label"]
+            for mode, style in (("eager", "-"), ("graph", "--")):
+                pts = [(r["n"], r["states"][state][mode].get("speedup_vs_fp32")) for r in rows]
+                pts = [(x, y) for x, y in pts if y is not None]
+                if pts:
+                    ax2.plot(*zip(*pts), marker="o", linestyle=style, color=color, label=f"{label}, {mode}")
+            ax2.axhline(rows[0]["states"][state]["ideal_speedup_vs_fp32"], color=color, linestyle=":",
+                        label=f"{label}: byte floor {FLOOR_BYTES}/{rows[0]['states'][state]['floor_bytes']}")
+        ax2.axhline(1.0, color="gray", linewidth=1)
+        ax2.set_xscale("log", base=2)
+        ax2.set_xlabel("shard size N (elements owned by the rank)")
+        ax2.set_ylabel("speedup vs fp32-state step (fp32 ms / option ms; > 1 is faster)")
+        ax2.set_ylim(bottom=0)
+        ax2.set_title("16-bit optimizer state vs fp32 state (same mode)")
+        ax2.grid(True, which="both", alpha=0.3)
+        ax2.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -551,8 +739,21 @@ def parse_args(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write every number, the device, versions, date and command")
     ap.add_argument("--plot", metavar="PATH", help="PNG: effective GB/s against shard size (needs matplotlib)")
     ap.add_argument("--from-json", metavar="PATH", help="only re-plot (--plot) / re-print a saved --json file")
+    ap.add_argument("--mo-states", default="fp32",
+                    help="comma-separated optimizer-state options of ours, timed side by side (names as in "
+                         "scripts/bench_step.py): fp32 (default; always run, the baseline), bf16 (bf16 moments, "
+                         "fp32 masters), bf16+rem (bf16 moments, bf16 params + int16 remainders; Megatron-LM's "
+                         "precision-aware optimizer). With more than fp32 a second table (and plot panel) shows "
+                         "each option's ms, GB/s and ms / floor against its own byte floor and its speedup vs fp32 "
+                         "state; --check also compares each option's masters with the fp32-state run")
     ap.add_argument("--perturb-ours-lr", type=float, default=1.0, help=argparse.SUPPRESS)  # tests of --check
+    ap.add_argument("--perturb-state-lr", type=float, default=1.0, help=argparse.SUPPRESS)  # the 16-bit options
     args = ap.parse_args(argv)
+    states = [x.strip() for x in args.mo_states.split(",") if x.strip()]
+    unknown = [x for x in states if x not in MO_STATES]
+    if unknown:
+        ap.error(f"--mo-states: unknown option(s) {unknown}; choose from {', '.join(MO_STATES)}")
+    args.mo_states = ["fp32"] + [x for x in dict.fromkeys(states) if x != "fp32"]
     if args.num_tensors < 2:
         ap.error("--num-tensors must be at least 2")
     if args.warmup < 0 or args.iters < 1:
@@ -571,6 +772,9 @@ def main(argv=None) -> int:
             plot(report, args.plot)
             print(f"wrote {args.plot}", file=sys.stderr)
         print(markdown_table(report["results"]))
+        if has_states(report["results"]):
+            print()
+            print(states_table(report["results"]))
         return 0
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -619,6 +823,11 @@ def main(argv=None) -> int:
         "command": shlex.join([sys.executable] + sys.argv),
         "args": vars(args),
         "floor_bytes_per_element": FLOOR_BYTES,
+        "mo_states": args.mo_states,
+        "state_options": {k: {"config": {f: str(v) if isinstance(v, torch.dtype) else v
+                                         for f, v in MO_STATES[k].items()},
+                              "label": STATE_LABELS[k], "floor_bytes_per_element": STATE_FLOOR_BYTES[k]}
+                          for k in args.mo_states},
         "bytes_per_element_moved": {"ours": FLOOR_BYTES,
                                     "megatron_like": MEGATRON_BYTES + (8 if args.megatron_unscale else 0),
                                     "torch_fused": TORCH_FUSED_BYTES},
@@ -643,9 +852,23 @@ def main(argv=None) -> int:
              if args.check else ""))
     print()
     print(markdown_table(results))
+    if has_states(results):
+        print()
+        print("optimizer state (ours): " + "; ".join(
+            f"{STATE_LABELS[k]} floor {STATE_FLOOR_BYTES[k]} B/elem" for k in args.mo_states)
+              + ". GB/s and '/ floor' use each option's own floor; 'vs fp32' = fp32-state ms / option ms in the "
+                "same mode (> 1: faster); 'floor vs fp32' = 34 B / the option's floor, the speedup if both ran "
+                "at their floor."
+              + (" CPU: the precision-aware step widens to fp32 copies, so bytes do not bound it here."
+                 if device.type == "cpu" else "")
+              + (f" --check: masters after two steps vs the fp32-state run, update within {TOL_STATE_UPDATE:g} "
+                 "per tensor." if args.check else ""))
+        print()
+        print(states_table(results))
     if failed:
         print(f"bench_optimizer_step: --check failed at sizes 2^{failed}: ours' step does not match "
-              f"the reference implementations (see the check lines above and the JSON)", file=sys.stderr)
+              f"the reference implementations or a state option does not match the fp32-state run "
+              f"(see the check lines above and the JSON)", file=sys.stderr)
         return 1
     return 0
 

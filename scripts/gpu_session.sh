@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine call: build the CUDA extension for sm_90, run the CUDA-marked tests, the kernel
 # benchmark and (time permitting) the whole suite. Logs go to $OUT (the device tool's return folder).
-#   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [STAGES]   STAGES: build,cuda,bench,suite,step
+#   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [STAGES]   STAGES: build,cuda,bench,suite,step,precision
+#   precision: the precision-aware state tests (CUDA-marked and others), then 16-bit vs fp32 state step times
+#     (one command: bash scripts/gpu_session.sh build,precision)
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 STAGES="${1:-build,cuda,bench,suite}"
@@ -24,6 +26,13 @@ if has cuda; then
 fi
 if has step; then
   timeout 240 python3 scripts/bench_optimizer_step.py --check --json "$OUT/step.json" --plot "$OUT/step.png" 2>&1 | tee "$OUT/bench_step.log" | tail -30
+fi
+if has precision; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider --maxfail 60 --timeout 200 \
+    tests/test_ops_precision_cuda.py tests/test_precision_aware.py 2>&1 | tee "$OUT/precision_tests.log" | tail -30
+  plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/step_states.png")  # else re-plot with --from-json
+  timeout 300 python3 scripts/bench_optimizer_step.py --check --mo-states fp32,bf16,bf16+rem \
+    --json "$OUT/step_states.json" "${plot[@]}" 2>&1 | tee "$OUT/bench_step_states.log" | tail -40
 fi
 if has bench; then
   timeout 200 python3 scripts/bench_kernels.py --log2-sizes 24,26,28 --iters 20 2>&1 | tee "$OUT/bench_kernels.log" | tail -40

@@ -1,7 +1,10 @@
 """scripts/bench_optimizer_step.py in its CPU smoke mode (gloo, host timers, tiny sizes): it runs end to
 end, its JSON holds the three implementations per size with positive finite times, and its --check
 (ours' AdamW + clipping result against the Megatron-like and torch fused ones) passes, and fails when
-ours' update is wrong."""
+ours' update is wrong. With --mo-states fp32,bf16,bf16+rem the JSON holds each optimizer-state option's
+eager and optimizer_cuda_graph times, byte floor and speedup vs fp32 state, and --check compares each
+option's masters with the fp32-state run (and fails when a 16-bit option's update is wrong)."""
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +14,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_optimizer_step.py")
 IMPLS = ("ours", "ours_graph", "megatron_like", "torch_fused")
+STATES = ("fp32", "bf16", "bf16+rem")
+FLOOR_BYTES = {"fp32": 34, "bf16": 26, "bf16+rem": 24}
 
 
 def run_smoke(tmp_path, *extra):
@@ -24,7 +29,7 @@ def run_smoke(tmp_path, *extra):
 
 
 def test_cpu_smoke_json_and_check(tmp_path):
-    proc, out = run_smoke(tmp_path, "--log2-sizes", "12,14")
+    proc, out = run_smoke(tmp_path, "--log2-sizes", "12,14", "--mo-states", ",".join(STATES))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["device_type"] == "cpu" and report["torch"] and report["date"] and report["command"]
@@ -40,8 +45,52 @@ def test_cpu_smoke_json_and_check(tmp_path):
         assert r["check"]["ok"], r["check"]
         for peer in ("megatron_like", "torch_fused"):
             assert r["check"][peer]["master_rel_diff"] <= 1e-5
-    # the markdown table is printed last
-    assert proc.stdout.rstrip().splitlines()[-1].startswith("| 15,936 (2^14) |"), proc.stdout
+        # every state option, eager and with optimizer_cuda_graph (bf16 moments have kernels: no skip)
+        assert list(r["states"]) == list(STATES)
+        for state in STATES:
+            st = r["states"][state]
+            assert st["floor_bytes"] == FLOOR_BYTES[state] and st["floor_ms"] > 0
+            assert math.isclose(st["ideal_speedup_vs_fp32"], 34 / FLOOR_BYTES[state])
+            for mode in ("eager", "graph"):
+                m = st[mode]
+                assert math.isfinite(m["ms"]) and m["ms"] > 0, (state, mode, m)
+                assert all(math.isfinite(t) and t > 0 for t in m["times_ms"])
+                assert math.isfinite(m["gbs"]) and m["gbs"] > 0 and m["floor_ratio"] > 0
+                assert math.isfinite(m["speedup_vs_fp32"]) and m["speedup_vs_fp32"] > 0
+        assert r["states"]["fp32"]["eager"]["ms"] == r["impls"]["ours"]["ms"]
+        assert r["states"]["fp32"]["graph"]["ms"] == r["impls"]["ours_graph"]["ms"]
+        assert r["states"]["fp32"]["eager"]["speedup_vs_fp32"] == 1.0
+        # --check of each 16-bit option against the fp32-state run: it ran, and it passed
+        assert set(r["check"]["states"]) == {"bf16", "bf16+rem"}
+        for state, c in r["check"]["states"].items():
+            assert c["ok"], (state, c)
+            assert 0 < c["update_rel_diff"] <= 1e-2 and c["grad_norm_rel_diff"] <= 1e-5, (state, c)
+    assert report["mo_states"] == list(STATES)
+    assert {k: v["floor_bytes_per_element"] for k, v in report["state_options"].items()} == FLOOR_BYTES
+    # the main table, then the state table (one row per size and option) last
+    lines = proc.stdout.rstrip().splitlines()
+    assert any(line.startswith("| 15,936 (2^14) | ") and "x |" in line for line in lines), proc.stdout
+    assert lines[-1].startswith("| 15,936 (2^14) | bf16 m,v + remainders | 24 |"), proc.stdout
+    assert lines[-1].endswith(" |") and "| ok (" in lines[-1], lines[-1]
+    assert sum(line.startswith("| 4,000 (2^12) | ") for line in lines) == 1 + len(STATES)
+
+
+def test_mo_states_match_bench_step():
+    # the same names and OptimizerConfig fields as scripts/bench_step.py --mo-states
+    mods = []
+    for name in ("bench_step", "bench_optimizer_step"):
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses look their module up there
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))  # bench_step imports scripts/peak_memory.py
+        try:
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path.remove(os.path.join(ROOT, "scripts"))
+            del sys.modules[name]
+        mods.append(mod)
+    assert mods[0].MO_STATES == mods[1].MO_STATES
+    assert mods[1].STATE_FLOOR_BYTES == FLOOR_BYTES
 
 
 def test_check_catches_a_wrong_update(tmp_path):
@@ -51,3 +100,20 @@ def test_check_catches_a_wrong_update(tmp_path):
     assert "--check failed" in proc.stderr
     check = json.loads(out.read_text())["results"][0]["check"]
     assert not check["ok"] and check["megatron_like"]["master_rel_diff"] > 1e-5
+    # the default --mo-states fp32 prints the main table only, as before the option existed
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| 4,000 (2^12) | "), proc.stdout
+    assert "| state |" not in proc.stdout
+
+
+def test_check_catches_a_wrong_state_update(tmp_path):
+    # the bf16+rem option with a 10% larger learning rate: ours (fp32 state) still agrees with the peers,
+    # the option's masters do not agree with the fp32-state run's, and the script exits 1
+    proc, out = run_smoke(tmp_path, "--log2-sizes", "12", "--iters", "1", "--warmup", "0",
+                          "--mo-states", "fp32,bf16+rem", "--perturb-state-lr", "1.1")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "--check failed" in proc.stderr
+    check = json.loads(out.read_text())["results"][0]["check"]
+    assert check["megatron_like"]["ok"] and check["torch_fused"]["ok"]
+    assert not check["ok"] and not check["states"]["bf16+rem"]["ok"]
+    assert check["states"]["bf16+rem"]["update_rel_diff"] > 1e-2
+    assert "MISMATCH" in proc.stdout.rstrip().splitlines()[-1]
