@@ -75,10 +75,11 @@ def train_step(chunks: list, opt, batches: list) -> tuple:
 
 
 def run_parity(precision: str, steps: int = 4, ga: int = 2, clip_grad: float = 1.0, lr: float = 1e-2,
-               weight_decay: float = 0.1) -> dict:
+               weight_decay: float = 0.1, device_step: bool = False) -> dict:
     """The same run with overlap_param_gather_with_optimizer_step off and on, against the float64
     AdamW reference on the same global batch. Returns the update errors of the 'on' run and whether
-    the two runs agree bitwise (params, masters and norms)."""
+    the two runs agree bitwise (params, masters and norms). ``device_step``: the 'on' run decides the
+    step on the device (optimizer_cuda_graph; eager on CPU)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = PRECISIONS[precision]
     runs = {}
@@ -86,7 +87,7 @@ def run_parity(precision: str, steps: int = 4, ga: int = 2, clip_grad: float = 1
         lm = TinyLM(spec["dtype"])
         ref = MasterWeightReference(lm, lr, weight_decay) if overlap_with_step else None
         chunks, opt = build_chunks(lm, overlap_with_step, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
-                                   **spec["opt"])
+                                   optimizer_cuda_graph=device_step and overlap_with_step, **spec["opt"])
         children = opt.chained_optimizers if isinstance(opt, mo.ChainedOptimizer) else [opt]
         assert len(children) == (2 if overlap_with_step else 1), children
         assert [c.overlap_param_gather_with_optimizer_step for c in chunks] == [overlap_with_step, False]
@@ -96,6 +97,7 @@ def run_parity(precision: str, steps: int = 4, ga: int = 2, clip_grad: float = 1
         for step in range(steps):
             batches = global_batch(world * ga, seed=100 + step)
             success, norm, _ = train_step(chunks, opt, rank_microbatches(batches, rank, world))
+            success, norm = bool(success), float(norm)  # device tensors with optimizer_cuda_graph
             assert success, f"step {step} skipped"
             norms.append((norm, ref.step(batches, clip_grad, world) if ref is not None else None))
         for c in chunks:

@@ -35,6 +35,15 @@ def test_parity_and_bitwise_equal_to_no_overlap(pools, world, precision):
             assert ours == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 3e-2), where
 
 
+def test_device_decided_step_is_bitwise_the_host_decided_one(pools):
+    """optimizer_cuda_graph (eager on CPU) with the option: the all-gathers start after the update,
+    first chunk first; the numbers are bitwise those of the host-decided step without the option."""
+    for rank, res in enumerate(pools(2).run(cases.run_parity, "fp32", device_step=True, timeout=BOUND_S)):
+        assert res["bitwise_same_as_off"], f"rank {rank}: the device-decided run differs"
+        for name, (rl2, _) in res["errors"].items():
+            assert rl2 <= TOL["fp32"]["rel_l2"], (rank, name, rl2)
+
+
 @pytest.mark.parametrize("overlap_with_step", [False, True])
 def test_first_chunk_gathers_before_the_rest_updates(pools, overlap_with_step):
     """The profiled step: with the option, pass 2 of the first chunk, its all-gather, then pass 2 of
