@@ -13,9 +13,10 @@
     python tests/kill_worker.py --straight --ckpt DIR --out PREFIX
         the uninterrupted run (same seeds, same saves) to FINAL: the bitwise reference.
 
-The launcher (this script's main process) starts the ranks with multiprocessing (spawn),
-waits for them, and once one rank has died gives the others GRACE_S to end on their own (they
-usually fail in their next collective) before killing them. It prints one JSON line: each rank's
+The launcher (this script's main process) starts the ranks with multiprocessing (spawn), has
+them meet through a FileStore in a fresh folder beside the (first) --ckpt folder (no TCP port, see
+_rendezvous), waits for them, and once one rank has died gives the others GRACE_S to end on their
+own (they usually fail in their next collective) before killing them. It prints one JSON line: each rank's
 exit code and whether the launcher had to kill it. The caller should still run it in its own
 session and kill the process group on a wall-clock timeout.
 """
@@ -25,9 +26,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import signal
-import socket
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -64,10 +66,17 @@ HOOKS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous(ckpt: str) -> tuple[str, str]:
+    """(folder, init_method) for the ranks to meet through a FileStore in a fresh folder beside ``ckpt``.
+
+    Not a TCP port picked up front: a free port found by binding port 0 is released again, and
+    until rank 0 binds it for its store (spawn + import torch: seconds on a loaded machine) any
+    other process on the machine can take it (a gloo listener, another launcher's store). Rank 0
+    then dies with EADDRINUSE and the run fails before training starts; for the --straight run
+    that fails the test module's ``reference`` fixture, i.e. an ERROR at the first kill test.
+    """
+    folder = tempfile.mkdtemp(prefix=".rendezvous_", dir=str(Path(ckpt).resolve().parent))
+    return folder, "file://" + os.path.join(folder, "store")
 
 
 # ----------------------------------------------------------------------------- the kill hooks
@@ -261,7 +270,7 @@ def _rank_straight(rank: int, args) -> None:
     torch.save(_digest(model, opt, sched), f"{args.out}.rank{rank}.pt")
 
 
-def _rank_main(rank: int, port: int, args) -> None:
+def _rank_main(rank: int, init_method: str, args) -> None:
     sys.path.insert(0, TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
@@ -271,7 +280,7 @@ def _rank_main(rank: int, port: int, args) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
         {"kill": _rank_kill, "resume": _rank_resume, "straight": _rank_straight}[args.mode](rank, args)
@@ -312,8 +321,19 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(rank, port, args)) for rank in range(WORLD)]
+    store_dir, init_method = _rendezvous(args.ckpt if args.mode == "kill" else args.ckpt[0])
+    try:
+        exitcodes, killed = _launch(ctx, init_method, args)
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    report = {"exitcodes": exitcodes, "killed_by_launcher": killed}
+    print(json.dumps(report), flush=True)
+    return 0 if all(code == 0 for code in exitcodes) else 3
+
+
+def _launch(ctx, init_method: str, args) -> tuple[list, list]:
+    """Start the ranks, wait for them (GRACE_S after the first death, kill the rest); their exit codes."""
+    procs = [ctx.Process(target=_rank_main, args=(rank, init_method, args)) for rank in range(WORLD)]
     for proc in procs:
         proc.start()
     first_death, killed = None, []
@@ -328,9 +348,7 @@ def main(argv=None) -> int:
                     killed.append(rank)
             for proc in procs:
                 proc.join()
-    report = {"exitcodes": [proc.exitcode for proc in procs], "killed_by_launcher": killed}
-    print(json.dumps(report), flush=True)
-    return 0 if all(proc.exitcode == 0 for proc in procs) else 3
+    return [proc.exitcode for proc in procs], killed
 
 
 if __name__ == "__main__":

@@ -149,7 +149,8 @@ def reference(tmp_path_factory) -> list:
     """The uninterrupted run to iteration FINAL (same seeds, same saves), per rank."""
     tmp = tmp_path_factory.mktemp("straight")
     res = _run_worker(["--straight", "--ckpt", str(tmp / "ckpt"), "--out", str(tmp / "digest")], RESUME_TIMEOUT_S)
-    assert res["returncode"] == 0 and not res["timed_out"], res
+    assert res["returncode"] == 0 and not res["timed_out"], \
+        f"the uninterrupted run failed: {res['report']} (timed out: {res['timed_out']})\n{res['stderr']}"
     return _load_ranks(tmp / "digest")
 
 
