@@ -11,8 +11,9 @@ import datetime
 import importlib
 import multiprocessing as mp
 import os
-import socket
+import shutil
 import sys
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -25,13 +26,7 @@ class RemoteError(AssertionError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
+def _worker_main(rank: int, world_size: int, store_path: str, conn) -> None:
     sys.path.insert(0, TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
@@ -42,7 +37,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     while True:
@@ -62,11 +57,14 @@ class WorkerPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        # The ranks meet through a file store: a TCP port picked by binding port 0 and releasing it
+        # can be taken by another process before rank 0's store binds it (EADDRINUSE under load).
+        self._store_dir = tempfile.mkdtemp(prefix="megatron_opt_pool_")
+        store_path = os.path.join(self._store_dir, "store")
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, store_path, child), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -102,6 +100,7 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
 
 
 class Pools:
