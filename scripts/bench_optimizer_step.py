@@ -107,6 +107,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
+from bench_step import MO_STATES  # scripts/bench_step.py (the script's folder is on sys.path)
 
 FLOOR_BYTES = 34  # per element: pass 1 reads g (4); pass 2 reads g, w, m, v (16), writes w, m, v (12), bf16 p (2)
 MEGATRON_BYTES = 46  # norm 4 + clip 8 + AdamW 28 + fp32 -> bf16 copy 6 (+8 for the unscale pass)
@@ -122,15 +123,8 @@ TOL_MASTER, TOL_UPDATE, TOL_NORM, TOL_BF16_MISMATCH = 1e-5, 1e-4, 1e-5, 1e-3
 # round each stored moment by <= 2^-9 relative; see the docstring); norms and bf16 params as above.
 TOL_STATE_UPDATE = 1e-2
 
-# --mo-states: ours' optimizer-state options, the same names and OptimizerConfig fields as
-# scripts/bench_step.py's MO_STATES (tests/test_bench_optimizer_step.py checks that they agree).
-MO_STATES = {
-    "fp32": dict(),
-    "bf16": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                 store_param_remainders=False),
-    "bf16+rem": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
-                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
-}
+# --mo-states: ours' optimizer-state options, shared with scripts/bench_step.py (same names and
+# OptimizerConfig fields): MO_STATES is imported from it above.
 STATE_LABELS = {"fp32": "fp32 state", "bf16": "bf16 m,v", "bf16+rem": "bf16 m,v + remainders"}
 # Byte floor per owned element (bf16 params, fp32 main grads): pass 1 reads g (4), then pass 2 (docstring):
 STATE_FLOOR_BYTES = {
