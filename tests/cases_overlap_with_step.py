@@ -7,6 +7,7 @@ the second child updates. Every case runs on every rank of a gloo pool.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -61,16 +62,12 @@ def train_step(chunks: list, opt, batches: list) -> tuple:
     opt.zero_grad()
     ga = len(batches)
     for i, (x, y) in enumerate(batches):
-        last = i == ga - 1
-        contexts = [c.no_sync() for c in chunks] if not last else []
-        for ctx in contexts:
-            ctx.__enter__()
-        try:
+        with contextlib.ExitStack() as no_sync:
+            if i < ga - 1:  # every chunk reduces its gradients on the last micro-batch only
+                for c in chunks:
+                    no_sync.enter_context(c.no_sync())
             loss_sum, n = token_loss_sum(chunks[1](chunks[0](x)), y)
             opt.scale_loss(loss_sum / n / ga).backward()
-        finally:
-            for ctx in contexts:
-                ctx.__exit__(None, None, None)
     return opt.step()
 
 

@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 CASE_TIMEOUT_S = float(os.environ.get("MEGATRON_OPT_CASE_TIMEOUT", "180"))
@@ -26,7 +26,20 @@ class RemoteError(AssertionError):
     pass
 
 
-def _worker_main(rank: int, world_size: int, store_path: str, conn) -> None:
+def file_rendezvous(parent: Optional[str] = None) -> tuple[str, str]:
+    """(folder, init_method) for ranks to meet through a FileStore in a fresh folder (inside
+    ``parent``, or the system temp folder); the caller removes the folder when the ranks are done.
+
+    Not a TCP port picked up front: a free port found by binding port 0 is released again, and
+    until rank 0 binds it for its store (spawn + import torch: seconds on a loaded machine) any
+    other process on the machine can take it (a gloo listener, another launcher's store); rank 0
+    then dies with EADDRINUSE before anything runs.
+    """
+    folder = tempfile.mkdtemp(prefix=".megatron_opt_rendezvous_", dir=parent)
+    return folder, "file://" + os.path.join(folder, "store")
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
     sys.path.insert(0, TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
@@ -37,7 +50,7 @@ def _worker_main(rank: int, world_size: int, store_path: str, conn) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        "gloo", init_method=init_method, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     while True:
@@ -57,14 +70,11 @@ class WorkerPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
-        # The ranks meet through a file store: a TCP port picked by binding port 0 and releasing it
-        # can be taken by another process before rank 0's store binds it (EADDRINUSE under load).
-        self._store_dir = tempfile.mkdtemp(prefix="megatron_opt_pool_")
-        store_path = os.path.join(self._store_dir, "store")
+        self._store_dir, init_method = file_rendezvous()
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, store_path, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, child), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

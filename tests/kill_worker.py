@@ -15,7 +15,7 @@
 
 The launcher (this script's main process) starts the ranks with multiprocessing (spawn), has
 them meet through a FileStore in a fresh folder beside the (first) --ckpt folder (no TCP port, see
-_rendezvous), waits for them, and once one rank has died gives the others GRACE_S to end on their
+dist_harness.file_rendezvous), waits for them, and once one rank has died gives the others GRACE_S to end on their
 own (they usually fail in their next collective) before killing them. It prints one JSON line: each rank's
 exit code and whether the launcher had to kill it. The caller should still run it in its own
 session and kill the process group on a wall-clock timeout.
@@ -29,12 +29,13 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, TESTS_DIR)
+from dist_harness import file_rendezvous  # noqa: E402
 WORLD = 2
 SAVE_EVERY, KILL_ITERATION, FINAL, KEEP = 2, 4, 6, 1
 PG_TIMEOUT_S = 60
@@ -64,19 +65,6 @@ HOOKS = {
     "resave:between_renames": "re-save of iteration 4 (the tracker's): after renaming the old folder aside, "
                               "before renaming the new one into place",
 }
-
-
-def _rendezvous(ckpt: str) -> tuple[str, str]:
-    """(folder, init_method) for the ranks to meet through a FileStore in a fresh folder beside ``ckpt``.
-
-    Not a TCP port picked up front: a free port found by binding port 0 is released again, and
-    until rank 0 binds it for its store (spawn + import torch: seconds on a loaded machine) any
-    other process on the machine can take it (a gloo listener, another launcher's store). Rank 0
-    then dies with EADDRINUSE and the run fails before training starts; for the --straight run
-    that fails the test module's ``reference`` fixture, i.e. an ERROR at the first kill test.
-    """
-    folder = tempfile.mkdtemp(prefix=".rendezvous_", dir=str(Path(ckpt).resolve().parent))
-    return folder, "file://" + os.path.join(folder, "store")
 
 
 # ----------------------------------------------------------------------------- the kill hooks
@@ -271,7 +259,6 @@ def _rank_straight(rank: int, args) -> None:
 
 
 def _rank_main(rank: int, init_method: str, args) -> None:
-    sys.path.insert(0, TESTS_DIR)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
 
@@ -321,7 +308,8 @@ def main(argv=None) -> int:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    store_dir, init_method = _rendezvous(args.ckpt if args.mode == "kill" else args.ckpt[0])
+    ckpt = args.ckpt if args.mode == "kill" else args.ckpt[0]
+    store_dir, init_method = file_rendezvous(str(Path(ckpt).resolve().parent))
     try:
         exitcodes, killed = _launch(ctx, init_method, args)
     finally:
