@@ -29,7 +29,7 @@ if has step; then
 fi
 if has precision; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider --maxfail 60 --timeout 200 \
-    tests/test_ops_precision_cuda.py tests/test_precision_aware.py 2>&1 | tee "$OUT/precision_tests.log" | tail -30
+    tests/kernels/test_ops_precision_cuda.py tests/distributed/test_precision_aware.py 2>&1 | tee "$OUT/precision_tests.log" | tail -30
   plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/step_states.png")  # else re-plot with --from-json
   timeout 300 python3 scripts/bench_optimizer_step.py --check --mo-states fp32,bf16,bf16+rem \
     --json "$OUT/step_states.json" "${plot[@]}" 2>&1 | tee "$OUT/bench_step_states.log" | tail -40

@@ -6,9 +6,11 @@ import torch
 
 import megatron_opt.ops as ops
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
-from dist_harness import Pools  # noqa: E402
+from dist_harness import Pools, add_import_dirs  # noqa: E402
+
+add_import_dirs()
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,16 @@
 """Kill -9 a rank in the middle of a checkpoint save (run as a script by test_checkpoint_kill.py).
 
-    python tests/kill_worker.py --ckpt DIR --kill-at POINT --kill-rank R --marker-dir M
+    python tests/checkpoint/kill_worker.py --ckpt DIR --kill-at POINT --kill-rank R --marker-dir M
         2 gloo ranks train the fp32 TinyLM run of cases_checkpoint.py, saving every SAVE_EVERY
         iterations (keep_latest_k=KEEP): iteration 2 completes, then the save of iteration 4 runs
         with a hook that SIGKILLs rank R at POINT (see HOOKS). The hooking rank writes
         M/killed_rank<R> (holding POINT) just before it kills itself, so the caller can tell
         that the point was really reached.
-    python tests/kill_worker.py --resume --ckpt DIR [DIR ...] --out PREFIX
+    python tests/checkpoint/kill_worker.py --resume --ckpt DIR [DIR ...] --out PREFIX
         for each DIR, 2 fresh ranks (other init, other RNG) load() it, train on to iteration
         FINAL saving like the killed run did, and write PREFIX.rank<r>.pt:
         {DIR: dict(iteration=loaded, rng=..., params=..., state=..., scalars=..., sched=...) or dict(error=...)}
-    python tests/kill_worker.py --straight --ckpt DIR --out PREFIX
+    python tests/checkpoint/kill_worker.py --straight --ckpt DIR --out PREFIX
         the uninterrupted run (same seeds, same saves) to FINAL: the bitwise reference.
 
 The launcher (this script's main process) starts the ranks with multiprocessing (spawn), has
@@ -34,6 +34,7 @@ import traceback
 from pathlib import Path
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "support"))
 sys.path.insert(0, TESTS_DIR)
 from dist_harness import file_rendezvous  # noqa: E402
 WORLD = 2

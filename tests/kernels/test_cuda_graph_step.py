@@ -2,7 +2,7 @@
 replayed gives bitwise the same params, norms and skip decisions as the host-decided eager step,
 with an lr that changes between replays, a clipped step, an injected overflow and a norm skip.
 One process, NCCL with world size 1 (the multi-rank device decision is covered on gloo by
-tests/test_device_step.py)."""
+tests/distributed/test_device_step.py)."""
 from __future__ import annotations
 
 import math

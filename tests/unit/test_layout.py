@@ -5,7 +5,7 @@ Semantics follow Megatron-LM's ``_compute_per_buffer_param_layout`` / ``_build_m
 a bucket closes once it reaches ``bucket_size``, rank r owns the r-th equal contiguous shard of every
 bucket, and shards ignore param boundaries. One deliberate difference: bucket ends are padded to
 lcm(64 * dp, 128) rather than lcm(dp, 128) (and 2**16 with ``pad_for_high_nccl_busbw``), so every shard
-start is a multiple of 64 elements at every DP (tests/test_layout_alignment.py checks real shapes).
+start is a multiple of 64 elements at every DP (tests/unit/test_layout_alignment.py checks real shapes).
 """
 from __future__ import annotations
 

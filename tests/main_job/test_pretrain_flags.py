@@ -25,7 +25,7 @@ import torch
 
 import megatron_opt as mo
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -1,7 +1,7 @@
 """Partial sharding: DistributedDataParallelConfig.num_distributed_optimizer_instances = k.
 
 The optimizer is sharded within k instances of DP / k consecutive ranks and replicated across them
-(Megatron-LM's partial distributed optimizer). Multi-rank cases run in tests/cases_partial_sharding.py
+(Megatron-LM's partial distributed optimizer). Multi-rank cases run in tests/distributed/cases_partial_sharding.py
 on the persistent gloo pools; every pool.run is bounded by its timeout.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _check_parity(results, precision, where):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_parity_with_float64_adamw(pools, k, precision):
     """DP=4 with k instances, overlap (grad reduce and param gather, several buckets) off and on,
-    against the float64 AdamW reference on the same global batch; tolerances of tests/test_parity.py."""
+    against the float64 AdamW reference on the same global batch; tolerances of tests/distributed/test_parity.py."""
     for overlap in (False, True):
         results = pools(DP).run(cases.run_partial_parity, precision, k, overlap, timeout=BOUND_S)
         _check_parity(results, precision, f"k={k} overlap={overlap} {precision}")

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_optimizer_step.py")
 IMPLS = ("ours", "ours_graph", "megatron_like", "torch_fused")
 STATES = ("fp32", "bf16", "bf16+rem")

@@ -1,7 +1,7 @@
 """optimizer_cuda_graph: the step decided on the device gives bitwise the same training as the
 host-decided step (clipping, a one-rank overflow with a dynamic loss scaler, a norm-threshold skip,
 an lr that changes every step), returns device tensors, and keeps the skip count. On CPU the device
-path runs eagerly; the CUDA-graph capture and replay are checked in tests/test_cuda_graph_step.py."""
+path runs eagerly; the CUDA-graph capture and replay are checked in tests/kernels/test_cuda_graph_step.py."""
 from __future__ import annotations
 
 import math

@@ -13,7 +13,7 @@ import torch
 
 import megatron_opt.checkpoint as ckpt
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2",
          "--warmup-steps", "2", "--use-distributed-optimizer"]
 

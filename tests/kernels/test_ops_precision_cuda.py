@@ -10,7 +10,7 @@ kernel moment pair, stochastic rounding on and off:
     rounded moments) must agree;
   * with the usual betas, where the reference's ``addcmul`` associates ``(1-b2)*(g*g)`` differently
     from the kernel's ``((1-b2)*g)*g``, one step at a time from the same state: fp32 values within the
-    fp32 tolerance of tests/test_ops.py, 16-bit values within one ulp and at least 99.9% bitwise
+    fp32 tolerance of tests/kernels/test_ops.py, 16-bit values within one ulp and at least 99.9% bitwise
     equal, the remainder master joined to fp32 within the fp32 tolerance;
   * garbage in the padding gaps is left bitwise untouched and the pieces equal the zero-gap run;
     a found_inf skip (1.0 and NaN) leaves everything bitwise unchanged; one launch over several
@@ -123,7 +123,7 @@ def assert_bitwise(a: ops.ShardOperands, b: ops.ShardOperands, what: str, mask=N
 
 
 def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """The tolerance of tests/test_ops.py's kernel-vs-reference comparison."""
+    """The tolerance of tests/kernels/test_ops.py's kernel-vs-reference comparison."""
     g, w = got.double(), want.double()
     tol = 2e-6 * w.abs() + 1e-7 * w.abs().max().clamp_min(1e-30)
     bad = ((g - w).abs() > tol) | (g.isnan() != w.isnan())
@@ -139,7 +139,7 @@ def _ordered16(t: torch.Tensor) -> torch.Tensor:
 def assert_16bit_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     """16-bit floats: within one ulp (the fp32 values they round from may differ by an fp32 ulp or
     two), or, near zero, within the fp32 tolerance's absolute part (a master that cancels to almost
-    zero carries an absolute error of a few fp32 ulps of its inputs, as in tests/test_ops.py's
+    zero carries an absolute error of a few fp32 ulps of its inputs, as in tests/kernels/test_ops.py's
     assert_param_out); and bitwise equal almost everywhere."""
     assert torch.equal(got.isnan(), want.isnan()), f"{what}: NaN positions differ"
     keep = ~want.isnan()

@@ -1,7 +1,7 @@
 """Worker-side cases for the train_step contract (CONTRACT rules 10-15, seeds T1.1-T1.4, T3.1-T3.3).
 
-Every function here runs on each rank of a persistent gloo pool (tests/dist_harness.py) and returns
-plain Python data; the assertions live in tests/test_contract_train.py.
+Every function here runs on each rank of a persistent gloo pool (tests/support/dist_harness.py) and returns
+plain Python data; the assertions live in tests/distributed/test_contract_train.py.
 """
 from __future__ import annotations
 

@@ -17,7 +17,17 @@ import tempfile
 import traceback
 from typing import Any, Callable, Optional
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Test helpers and worker-case modules are imported by bare name: tests/support and every test folder.
+IMPORT_DIRS = [os.path.join(TESTS_DIR, d) for d in sorted(os.listdir(TESTS_DIR))
+               if os.path.isdir(os.path.join(TESTS_DIR, d)) and not d.startswith((".", "_"))]
+
+
+def add_import_dirs() -> None:
+    """Put tests/support and the test folders on sys.path (in the pytest process and in every worker)."""
+    for d in reversed(IMPORT_DIRS):
+        if d not in sys.path:
+            sys.path.insert(0, d)
 CASE_TIMEOUT_S = float(os.environ.get("MEGATRON_OPT_CASE_TIMEOUT", "180"))
 PG_TIMEOUT_S = 60
 
@@ -40,7 +50,7 @@ def file_rendezvous(parent: Optional[str] = None) -> tuple[str, str]:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
-    sys.path.insert(0, TESTS_DIR)
+    add_import_dirs()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
 

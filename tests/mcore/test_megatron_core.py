@@ -11,7 +11,7 @@ import cases_megatron as cm
 
 DP_SIZES = (1, 2)
 FP32_FACTOR = 2.0  # ours may be at most this many times further from float64 than fp32 torch AdamW
-BF16_UPDATE_TOL = 2e-2  # bf16 forward/backward against a float64 model (tests/test_parity.py's bf16 figure)
+BF16_UPDATE_TOL = 2e-2  # bf16 forward/backward against a float64 model (tests/distributed/test_parity.py's bf16 figure)
 
 
 def _check(result: dict, bf16: bool) -> None:

@@ -4,7 +4,7 @@ get_megatron_optimizer gives the first model chunk's dense params their own chil
 step applies that child's update, agrees on it across ranks, dispatches the chunk's param
 all-gather asynchronously and only then updates the other children, so the all-gather overlaps
 the rest of the step. The chunk's forward pre-hooks wait for it. Multi-rank cases run in
-tests/cases_overlap_with_step.py on the persistent gloo pools, each bounded by its timeout.
+tests/distributed/cases_overlap_with_step.py on the persistent gloo pools, each bounded by its timeout.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ BOUND_S = 120  # a case that hangs (a rank stuck in a collective) fails the test
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_parity_and_bitwise_equal_to_no_overlap(pools, world, precision):
     """Two chunks, several buckets each, at DP 1-4: against the float64 AdamW reference with the
-    tolerances of tests/test_parity.py, and bitwise the same params, masters and norms as the same
+    tolerances of tests/distributed/test_parity.py, and bitwise the same params, masters and norms as the same
     run without the option (only the order of the communication changes)."""
     for rank, res in enumerate(pools(world).run(cases.run_parity, precision, timeout=BOUND_S)):
         where = f"DP={world} {precision} rank={rank}"

@@ -1,7 +1,7 @@
 """Kill -9 of one rank at many points of a checkpoint save: the newest complete checkpoint loads and
 the run resumes bit-exact.
 
-Each point runs tests/kill_worker.py in its own session: 2 gloo ranks train the fp32 TinyLM run,
+Each point runs tests/checkpoint/kill_worker.py in its own session: 2 gloo ranks train the fp32 TinyLM run,
 save iteration 2 (complete), train to 4 and save again, and one rank SIGKILLs itself at the point
 (the survivor fails in its next collective or is killed after a grace period, as a job scheduler
 would). Right after the kill the directory is inspected; then fresh ranks (other init, other RNG)
@@ -30,7 +30,7 @@ from megatron_opt.checkpoint import directory
 
 TESTS_DIR = Path(__file__).resolve().parent
 WORKER = TESTS_DIR / "kill_worker.py"
-REPO = TESTS_DIR.parent
+REPO = TESTS_DIR.parent.parent
 KILL_TIMEOUT_S = 120
 RESUME_TIMEOUT_S = 240
 PARALLEL = 2  # kill runs at once (each is 2 ranks)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _spec = importlib.util.spec_from_file_location("sass_budget", os.path.join(ROOT, "scripts", "sass_budget.py"))
 sb = importlib.util.module_from_spec(_spec)
 sys.modules["sass_budget"] = sb  # dataclasses look their module up by name

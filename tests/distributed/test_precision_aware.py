@@ -13,7 +13,7 @@ from megatron_opt.ops import precision
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 # Update error against the float64 reference that rounds the state like the optimizer (same metric
-# and figures as tests/test_parity.py: fp32 1e-4, bf16 forward passes 2e-2). An fp32 model with bf16
+# and figures as tests/distributed/test_parity.py: fp32 1e-4, bf16 forward passes 2e-2). An fp32 model with bf16
 # moments has no forward noise: it tracks the rounding reference to ~1e-6 (the fp32-state reference
 # is ~1e-3 away), so it gets the fp32 figure.
 TOL = {"fp32_state": 2e-2, "bf16_moments_fp32_model": 1e-4, "bf16_moments_remainders": 2e-2,
