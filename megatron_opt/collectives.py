@@ -1,16 +1,27 @@
-"""Thin wrappers over torch.distributed: one dtype per call, world size 1 short-circuits, gloo fallbacks.
+"""Thin wrappers over torch.distributed: one dtype per call, world size 1 short-circuits, gloo fallbacks,
+and the one cross-rank agreement helper.
 
-Every collective megatron_opt issues goes through here, so the dtype rule (rule 7 of docs/contract.md) is
-checked in one place and tests can observe the traffic by wrapping these functions.
+Every collective megatron_opt issues itself goes through here, so the dtype rule (rule 7 of
+docs/contract.md) is checked in one place and tests can observe the traffic by wrapping these
+functions. Two kinds of traffic are not issued here: creating process groups (``new_group``) and the
+collectives torch.distributed.checkpoint runs inside ``dcp.save`` / ``dcp.load``.
+
+Agreement (``agree``): where one rank can fail, or hold other settings, while the others would go on
+into a collective that rank never joins (or train something else), every rank must raise together,
+with the failing rank's message. ``agree`` is that one helper; ``agree_each_step`` is its cheap form
+for the training step and ``raise_together`` runs a function under it.
 """
 from __future__ import annotations
 
-from typing import Optional
+import zlib
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = Optional[dist.ProcessGroup]
+Failure = Union[None, str, BaseException]
+T = TypeVar("T")
 
 
 class _Done:
@@ -45,6 +56,15 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def global_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of ``group`` in group-rank order (None: the default group)."""
+    if not dist.is_initialized():
+        return [0]
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
 def flag_device(group: ProcessGroup = None) -> torch.device:
     """Where a small control tensor for ``group`` must live: CUDA for NCCL groups, else the CPU."""
     if dist.is_initialized() and "nccl" in str(dist.get_backend(group)).lower():
@@ -58,11 +78,8 @@ def _check_one_dtype(name: str, *tensors: torch.Tensor) -> None:
         raise RuntimeError(f"{name}: every tensor of one collective must share a dtype, got {sorted(map(str, dtypes))}")
 
 
-_reduce_scatter_supported = True
-
-
 def _reduce_scatter_op():
-    # torch 2.14 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
+    # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -70,12 +87,19 @@ def _all_gather_op():
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _backend_lacks_reduce_scatter(exc: BaseException) -> bool:
+    """Only "this backend cannot do it" (an old gloo) may switch to the emulation; any other failure
+    (timeout, dead peer) must surface, or this rank would issue a different collective."""
+    return isinstance(exc, (NotImplementedError, AttributeError)) or "support" in str(exc).lower()
+
+
 def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
     """SUM-reduce ``full`` (same size on every rank) and leave this rank's equal chunk in ``shard``.
 
-    ``shard`` may alias this rank's chunk of ``full`` (in-place, as Megatron does).
+    ``shard`` may alias this rank's chunk of ``full`` (in-place, as Megatron does). A backend without
+    reduce-scatter gets an all-reduce instead; that is decided per call (the backend refuses before
+    any traffic, the same way on every rank), so nothing is remembered between calls or groups.
     """
-    global _reduce_scatter_supported
     _check_one_dtype("reduce_scatter", full, shard)
     n = world_size(group)
     if n == 1:
@@ -84,16 +108,12 @@ def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
         return _Done()
     if full.numel() != shard.numel() * n:
         raise RuntimeError(f"reduce_scatter: {full.numel()} elements do not split into {n} chunks of {shard.numel()}")
-    if _reduce_scatter_supported:
-        try:
-            work = _reduce_scatter_op()(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-            return work if async_op else _Done()
-        except (RuntimeError, NotImplementedError, AttributeError) as exc:
-            # Only "this backend cannot do it" (old gloo) may switch to the emulation; any other
-            # failure (timeout, dead peer) must surface, or this rank would issue a different collective.
-            if not isinstance(exc, (NotImplementedError, AttributeError)) and "support" not in str(exc).lower():
-                raise
-            _reduce_scatter_supported = False
+    try:
+        work = _reduce_scatter_op()(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return work if async_op else _Done()
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        if not _backend_lacks_reduce_scatter(exc):
+            raise
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     handle = _FallbackReduceScatter(work if async_op else None, full, shard, rank(group) * shard.numel())
     if not async_op:
@@ -148,10 +168,121 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) ->
     dist.broadcast(tensor, src=dist.get_global_rank(group or dist.group.WORLD, src_group_rank), group=group)
 
 
+def gather_objects(obj: Any, group: ProcessGroup = None) -> list:
+    """Every rank's ``obj`` (picklable), in group-rank order: one all_gather_object."""
+    if world_size(group) == 1:
+        return [obj]
+    everyone = [None] * world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
 
+
+# ----------------------------------------------------------------------------------------- agreement
+def _message(failure: Failure, error_type: type) -> Optional[str]:
+    """A failure as the other ranks read it: the text, led by the exception type unless it is already
+    ``error_type`` (DCP's CheckpointException is a BaseException, hence not Exception)."""
+    if failure is None or isinstance(failure, str):
+        return failure
+    return str(failure) if isinstance(failure, error_type) else f"{type(failure).__name__}: {failure}"
+
+
+def _with(text: str, note: str) -> str:
+    return f"{text.rstrip('.')}. {note}" if note else text
+
+
+def _rank_name(group: ProcessGroup, r: int) -> str:
+    g = global_ranks(group)[r]
+    return f"rank {r}" if g == r else f"rank {r} (global rank {g})"
+
+
+def _first_difference(reference: list, other: list, r: int) -> str:
+    for (key_a, val_a), (key_b, val_b) in zip(reference, other):
+        if key_a != key_b:
+            return f"item {key_a!r} on rank 0 is {key_b!r} on rank {r}"
+        if val_a != val_b:
+            return f"{key_a} is {val_a!r} on rank 0 but {val_b!r} on rank {r}"
+    return f"rank 0 has {len(reference)} items, rank {r} has {len(other)}"
+
+
+def agree(what: str, failure: Failure = None, group: ProcessGroup = None, *,
+          fingerprint: Optional[Sequence[tuple[Any, Any]]] = None, payload: Any = None,
+          error_type: type = RuntimeError, fix: str = "", failure_note: str = "") -> list:
+    """Raise on every rank of ``group`` together, or on none: one all_gather_object of (this rank's
+    failure, fingerprint, payload).
+
+    ``failure`` (an exception or a message) on any rank raises ``error_type`` everywhere:
+    "``what`` on rank r (and k more): message. ``failure_note``". Otherwise a ``fingerprint`` (a list
+    of (item, value) pairs) that differs from rank 0's raises "``what``: the ranks disagree: <the first
+    differing item>. ``fix``". The error is chained to this rank's own exception. Returns every
+    rank's ``payload`` in group-rank order (e.g. what each rank holds, for a check of the whole set).
+    """
+    mine = (_message(failure, error_type), None if fingerprint is None else list(fingerprint), payload)
+    everyone = gather_objects(mine, group)
+    cause = failure if isinstance(failure, BaseException) else None
+    failed = [(r, m) for r, (m, _, _) in enumerate(everyone) if m is not None]
+    if failed:
+        r, message = failed[0]
+        more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise error_type(_with(f"{what} on {_rank_name(group, r)}{more}: {message}", failure_note)) from cause
+    if fingerprint is not None:
+        reference = everyone[0][1]
+        for r, (_, other, _) in enumerate(everyone[1:], start=1):
+            if other != reference:
+                raise error_type(_with(f"{what}: the ranks disagree: {_first_difference(reference, other, r)}", fix))
+    return [p for _, _, p in everyone]
+
+
+def agree_each_step(what: str, failure: Failure = None, groups: Sequence[ProcessGroup] = (None,), *,
+                    fingerprint: Optional[Sequence[tuple[Any, Any]]] = None, error_type: type = RuntimeError,
+                    fix: str = "", failure_note: str = "") -> None:
+    """``agree`` for every step: one small MAX all-reduce per group of [failed] (plus [n, -n, crc, -crc]
+    of the fingerprint: the MAX of a value and of its negation differ iff the ranks differ), and the
+    all_gather_object of ``agree`` over ``groups[0]`` only when that shows a failure or a difference.
+    A failure or difference seen only through a later group is reported as a peer's in another group."""
+    flags = [0.0 if failure is None else 1.0]
+    if fingerprint is not None:
+        n, crc = float(len(fingerprint)), float(zlib.crc32(repr(list(fingerprint)).encode()))
+        flags += [n, -n, crc, -crc]
+    group0 = groups[0] if groups else None
+    if all(world_size(g) == 1 for g in groups):
+        if failure is not None:
+            agree(what, failure, None, error_type=error_type, failure_note=failure_note)
+        return
+    seen = torch.tensor(flags, dtype=torch.float64, device=flag_device(group0))
+    for group in groups:
+        all_reduce(seen, group, op=dist.ReduceOp.MAX)
+    seen_l = seen.tolist()
+    failed = seen_l[0] > 0
+    differs = fingerprint is not None and (seen_l[1] != -seen_l[2] or seen_l[3] != -seen_l[4])
+    if not failed and not differs:
+        return
+    agree(what, failure, group0, fingerprint=fingerprint, error_type=error_type, fix=fix, failure_note=failure_note)
+    cause = failure if isinstance(failure, BaseException) else None
+    kind = "failed" if failed else "disagrees"
+    raise error_type(_with(f"{what}: a rank of another process group (a model-parallel peer) {kind}",
+                           failure_note if failed else fix)) from cause
+
+
+def raise_together(fn: Callable[[], T], group: ProcessGroup = None, what: str = "",
+                   error_type: type = RuntimeError) -> T:
+    """Run ``fn`` on every rank and return its result; if it raised on any rank, raise ``error_type``
+    on every rank ("``what`` failed on rank r: ..."), through ``agree``. Use it at each boundary
+    where one rank can fail while the others would go on to a collective that rank never joins."""
+    failure: Failure = None
+    result = None
+    try:
+        result = fn()
+    except BaseException as exc:  # DCP's CheckpointException is a BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        failure = exc
+    agree(f"{what} failed" if what else "failed", failure, group, error_type=error_type)
+    return result  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------ old call shapes, until their callers move
+# (training.py, optimizer/step_driver.py, distributed/ddp.py, optimizer/distrib_optimizer.py): delete then.
 def max_over_groups(values: list, groups: list) -> list:
-    """One small MAX all-reduce per group (on the device the group needs): every rank learns the
-    largest of each value, e.g. whether any rank failed. The cheap happy path of an agreement."""
     flags = torch.tensor(values, dtype=torch.float64, device=flag_device(groups[0] if groups else None))
     for group in groups:
         all_reduce(flags, group, op=dist.ReduceOp.MAX)
@@ -159,62 +290,9 @@ def max_over_groups(values: list, groups: list) -> list:
 
 
 def gather_failures(failure: Optional[BaseException], group: ProcessGroup = None, payload=None) -> list:
-    """Every rank's (error message or None, payload) over ``group``: the slow path of an agreement,
-    run only after max_over_groups said something is wrong."""
-    mine = (None if failure is None else f"{type(failure).__name__}: {failure}", payload)
-    if world_size(group) == 1:
-        return [mine]
-    everyone = [None] * world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
-def raise_together(fn, group: ProcessGroup = None, what: str = "", error_type: type = RuntimeError):
-    """Run ``fn`` on every rank; if it raised on any rank, raise ``error_type`` on every rank with
-    the first failing rank's message (one all_gather_object). Use it at each boundary where one rank
-    can fail while the others would go on to a collective that rank never joins."""
-    error = None
-    result = None
-    try:
-        result = fn()
-    except BaseException as exc:  # DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        error = str(exc) if isinstance(exc, error_type) else f"{type(exc).__name__}: {exc}"
-    errors = [error]
-    if world_size(group) > 1:
-        errors = [None] * world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        r, message = failed[0]
-        where = f" on rank {r}" + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
-        raise error_type(f"{what} failed{where}: {message}" if what else f"failed{where}: {message}")
-    return result
+    return gather_objects((None if failure is None else f"{type(failure).__name__}: {failure}", payload), group)
 
 
 def check_ranks_agree(what: str, fingerprint: list, group: ProcessGroup = None, local_error: Optional[str] = None,
                       fix: str = "", error_type: type = ValueError) -> None:
-    """One all_gather_object of (local error, fingerprint) over ``group``. A local error on any rank,
-    or any rank whose fingerprint (a list of (item, value) pairs) differs from rank 0's, raises
-    ``error_type`` on every rank, naming the rank and the first differing item."""
-    mine = (local_error, list(fingerprint))
-    everyone = [mine]
-    if world_size(group) > 1:
-        everyone = [None] * world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-    for r, (err, _) in enumerate(everyone):
-        if err is not None:
-            raise error_type(f"{what}: rank {r}: {err}")
-    reference = everyone[0][1]
-    for r, (_, other) in enumerate(everyone[1:], start=1):
-        if other == reference:
-            continue
-        for (key_a, val_a), (key_b, val_b) in zip(reference, other):
-            if key_a != key_b or val_a != val_b:
-                detail = (f"{key_a} is {val_a!r} on rank 0 but {val_b!r} on rank {r}" if key_a == key_b
-                          else f"item {key_a!r} on rank 0 is {key_b!r} on rank {r}")
-                break
-        else:
-            detail = f"rank 0 has {len(reference)} items, rank {r} has {len(other)}"
-        raise error_type(f"{what}: the ranks disagree: {detail}. {fix}".rstrip())
+    agree(what, local_error, group, fingerprint=fingerprint, error_type=error_type, fix=fix)

@@ -17,6 +17,7 @@ import torch
 
 
 from .errors import ConfigError, InvalidConfigError, UnsupportedConfigError  # noqa: F401  (re-exported)
+from .ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES, dtype_names
 
 
 _INF = math.inf
@@ -135,11 +136,6 @@ class DistributedDataParallelConfig:
             )
 
 
-# (exp_avg, exp_avg_sq) dtype pairs with a CUDA kernel (csrc/adamw_master_*.cu).
-_KERNEL_MOMENT_PAIRS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                        (torch.float16, torch.float16), (torch.bfloat16, torch.float32))
-
-
 @dataclass
 class OptimizerConfig:
     """Optimizer settings (megatron.core.optimizer.OptimizerConfig)."""
@@ -220,12 +216,10 @@ class OptimizerConfig:
             )
         self._check_precision_aware()
 
-    _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
     def _check_precision_aware(self) -> None:
         """Megatron-LM's precision-aware optimizer: 16-bit moments and masters, only when asked for."""
         owner = type(self).__name__
-        for name, allowed in (("exp_avg_dtype", self._STATE_DTYPES), ("exp_avg_sq_dtype", self._STATE_DTYPES),
+        for name, allowed in (("exp_avg_dtype", STATE_DTYPES), ("exp_avg_sq_dtype", STATE_DTYPES),
                               ("main_params_dtype", (torch.float32, torch.float16))):
             value = getattr(self, name)
             if value not in allowed:
@@ -243,11 +237,11 @@ class OptimizerConfig:
                                      f"use_precision_aware_optimizer=True with exp_avg_dtype or exp_avg_sq_dtype "
                                      f"torch.bfloat16.")
         pair = (self.exp_avg_dtype, self.exp_avg_sq_dtype)
-        if self.optimizer_cuda_graph and pair not in _KERNEL_MOMENT_PAIRS:
+        if self.optimizer_cuda_graph and pair not in KERNEL_MOMENT_PAIRS:
             raise UnsupportedConfigError(
-                f"{owner}.optimizer_cuda_graph=True with (exp_avg_dtype, exp_avg_sq_dtype)={pair}: the CUDA kernels "
-                f"take the pairs {[tuple(str(d) for d in p) for p in _KERNEL_MOMENT_PAIRS]} (others run a torch "
-                f"fallback that cannot be captured in a graph); choose one of them or leave optimizer_cuda_graph off.")
+                f"{owner}.optimizer_cuda_graph=True with (exp_avg_dtype, exp_avg_sq_dtype)=({dtype_names(pair)}): the "
+                f"CUDA kernels take the pairs {dtype_names(KERNEL_MOMENT_PAIRS)} (others run a torch fallback that "
+                f"cannot be captured in a graph); choose one of them or leave optimizer_cuda_graph off.")
 
     @property
     def uses_param_remainders(self) -> bool:

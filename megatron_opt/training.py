@@ -2,9 +2,9 @@
 
 Normalisation happens exactly once (rules 10-12 of docs/contract.md): every micro-batch backpropagates its
 *unnormalised* loss (times the loss scale), the buckets are reduced with SUM, and the step's
-denominator goes into the DDP's ``grad_scale_factor``, which the optimizer folds into the single
-unscale scalar of its two passes, ``inv_scale = grad_scale_factor / loss_scale``. There is no pass
-over the gradients for normalisation at any accumulation count.
+denominator is handed to the DDP (``set_loss_divisor``), which owns the normalisation and publishes
+it to the optimizer as one unscale factor per shard. There is no pass over the gradients for
+normalisation at any accumulation count.
 
 Loss modes:
   * ``"per_token"`` (Megatron's calculate_per_token_loss): ``loss_fn`` returns
@@ -188,8 +188,7 @@ def train_step(
             raise  # the last backward failed: the other ranks are already reducing (documented)
         _agree(dp_group, exc, aux_names)
     handle.wait()
-    denominator = totals[0].clamp(min=1.0)  # only the global count is clamped
-    model.set_grad_scale_factor(denominator.reciprocal().float())
+    model.set_loss_divisor(totals[0].clamp(min=1.0))  # only the global count is clamped
 
     success, grad_norm, num_zeros = optimizer.step()
     if success and scheduler is not None:

@@ -5,7 +5,7 @@
     SAVE_DIR/.tmp_iter_0000200/                    a save in progress (never read)
 
 A save writes into the temporary folder; only after every rank finished does rank 0 write the
-manifest (with a SHA-256 per data file), rename the folder into place, then replace the tracker by
+manifest (with a SHA-256 of each of DCP's files, its .metadata included), rename the folder into place, then replace the tracker by
 write-then-rename. A save killed at any point therefore leaves either nothing visible or a complete
 folder, and the tracker always names a complete one.
 """
@@ -16,10 +16,11 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megatron_opt_manifest.json"
+METADATA = ".metadata"  # DCP's index of the data files (written by the coordinator, rank 0)
 _TMP_PREFIX = ".tmp_iter_"
 
 
@@ -150,6 +151,38 @@ def data_files_of_rank(folder: Path, rank: int) -> list[Path]:
     return sorted(Path(folder).glob(f"__{rank}_*.distcp"))
 
 
-__all__ = ["TRACKER", "MANIFEST", "iteration_dir", "temporary_dir", "read_tracker", "write_tracker",
-           "write_manifest", "read_manifest", "commit", "complete_iterations", "prune",
-           "remove_stale_temporaries", "sha256_of", "data_files_of_rank", "write_file_atomically"]
+def files_to_hash(folder: Path, rank: int) -> list[Path]:
+    """The files a rank hashes for the manifest: its data files, and on rank 0 (DCP's coordinator,
+    which wrote it) the .metadata."""
+    own = data_files_of_rank(folder, rank)
+    return own + [Path(folder) / METADATA] if rank == 0 else own
+
+
+def resolve(path: Union[str, Path], iteration: Optional[int] = None) -> Path:
+    """The folder to load: ``iteration``, else the tracker's, else the newest complete one; ``path``
+    itself when it is an iteration folder. FileNotFoundError when there is none."""
+    root = Path(path)
+    if (root / MANIFEST).exists():
+        return root
+    if iteration is None:
+        iteration = read_tracker(root)
+    if iteration is None:
+        complete = complete_iterations(root) if root.exists() else []
+        if not complete:
+            raise FileNotFoundError(f"no checkpoint in {root}: no {TRACKER} and no complete iter_* folder")
+        iteration = complete[-1]
+    folder = iteration_dir(root, iteration)
+    found = find_complete(folder)
+    if found is None:
+        raise FileNotFoundError(f"{folder} is not a complete checkpoint (no {MANIFEST})")
+    return found
+
+
+def latest_iteration(path: Union[str, Path]) -> Optional[int]:
+    """The iteration the tracker names (None when there is no checkpoint)."""
+    return read_tracker(Path(path))
+
+
+__all__ = ["TRACKER", "MANIFEST", "METADATA", "iteration_dir", "temporary_dir", "read_tracker", "write_tracker",
+           "write_manifest", "read_manifest", "commit", "complete_iterations", "prune", "remove_stale_temporaries",
+           "sha256_of", "data_files_of_rank", "files_to_hash", "resolve", "latest_iteration", "write_file_atomically"]

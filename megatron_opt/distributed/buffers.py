@@ -19,6 +19,7 @@ import torch
 
 from .. import collectives
 from .layout import BufferLayout, Range
+from .normalisation import reduce_prescale
 
 
 class LateGradientError(RuntimeError):
@@ -160,13 +161,11 @@ class ParamAndGradBuffer:
         self.is_expert_parallel = is_expert_parallel
         self.shard_count = layout.shard_count
         self.rank = collectives.rank(group) if reduce_scatter else 0
-        # 16-bit gradients are divided by the number of summed ranks (the whole data-parallel group,
-        # every instance included) before their reduction, as Megatron-LM does, so the sum cannot
-        # overflow where the average would not; the optimizer folds the factor back into its unscale
-        # scalar. fp32 buffers stay on the exact deferred path (no pass at all).
+        # The sum runs over the whole data-parallel group, every instance included; 16-bit buckets are
+        # pre-scaled by 1/ranks before it (normalisation.py, which also undoes it in the unscale factor).
         ranks = collectives.world_size(group) * (collectives.world_size(inter_group) if inter_group is not None else 1)
         self.reduce_ranks = ranks
-        self.grad_prescale = 1.0 / ranks if grad_dtype in (torch.float16, torch.bfloat16) and ranks > 1 else 1.0
+        self.grad_prescale = reduce_prescale(grad_dtype, ranks)
         device = params[0].device
         self.param_data = torch.zeros(layout.numel, dtype=self.param_dtype, device=device)
         self.grad_data = torch.zeros(layout.numel, dtype=grad_dtype, device=device)

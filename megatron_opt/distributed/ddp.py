@@ -1,8 +1,9 @@
 """DistributedDataParallel: grad buffers, backward hooks, bucket reduction and param all-gather.
 
-Normalisation is deferred: the buckets are reduced with SUM and nothing multiplies the gradients.
-``grad_scale_factor`` (a device scalar, 1/DP by default) records what the gradients must be
-multiplied by, and the optimizer folds it into the one unscale scalar of its two passes. So
+Normalisation is deferred (normalisation.py): the buckets are reduced with SUM and nothing
+multiplies the gradients. ``grad_scale_factor`` (a device scalar, 1/DP by default) records what the
+gradients must be multiplied by; ``set_loss_divisor`` and ``scale_gradients`` change it, and every
+published shard carries the one resolved unscale factor the optimizer folds into its two passes. So
 ``param.main_grad`` holds the raw sum; the logical gradient is ``main_grad * grad_scale_factor``.
 16-bit gradient buffers are the exception: each bucket is divided by the group size just before its
 reduction (``ParamAndGradBuffer.grad_prescale``), so there ``main_grad`` holds the sum / DP.
@@ -27,7 +28,9 @@ from .. import collectives
 from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
 from .ddp_call import check_instance_groups, global_ranks, instance_groups, parse_ddp_call
 from .layout import build_buffer_layout, partial_sharding
+from .normalisation import GradNormalisation, loss_divisor_factor
 from .shard_view import LocalShard
+from .stats_role import resolve_stats_role
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -106,8 +109,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._inter_cursor = 0  # partial sharding: buckets whose inter-instance all-reduce was launched
         self._buckets = [b for buf in self._all_buffers for b in buf.buckets]
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
-        self._base_grad_scale = 1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size
-        self.grad_scale_factor = torch.full((1,), self._base_grad_scale, dtype=torch.float32, device=named[0][1].device)
+        self._normalisation = GradNormalisation(1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size,
+                                                named[0][1].device)
         self.force_all_reduce = False  # Megatron-LM sets it for a step whose main grads it saves whole
         # Set by get_megatron_optimizer on the first chunk when OptimizerConfig's field of the same
         # name is on: the optimizer dispatches this chunk's param all-gather inside its step, so a
@@ -274,19 +277,23 @@ class DistributedDataParallel(torch.nn.Module):
                                   for bucket in buf.buckets]
         return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
 
-    @staticmethod
-    def _publish(buffer_index: int, buf: ParamAndGradBuffer, bucket: Bucket) -> LocalShard:
+    def _publish(self, buffer_index: int, buf: ParamAndGradBuffer, bucket: Bucket) -> LocalShard:
         members = {buf.param_index[id(p)]: p for p in bucket.params}
+        sharded = buf.reduce_scatter and buf.shard_count > 1
+        instance_count = collectives.world_size(buf.inter_group) if buf.inter_group is not None else 1
+        instance_rank = collectives.rank(buf.inter_group) if buf.inter_group is not None else 0
         return LocalShard.make(
             params=members, names={i: buf.names[i] for i in members},
             grad=bucket.grad_shard, param=bucket.param_shard,
             pieces=tuple(buf.layout.shard_pieces(bucket.index, buf.rank)),
-            group=buf.group, sharded=buf.reduce_scatter and buf.shard_count > 1,
+            group=buf.group, sharded=sharded,
             is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
-            rank=buf.rank, shard_count=buf.shard_count, grad_prescale=buf.grad_prescale,
+            rank=buf.rank, shard_count=buf.shard_count,
+            unscale_factor=self._normalisation.unscale_factor(buf.grad_prescale),
+            stats_role=resolve_stats_role(buf.group, sharded, buf.data_parallel_group, instance_rank, instance_count),
+            grad_prescale=buf.grad_prescale,
             data_parallel_group=buf.data_parallel_group, inter_instance_group=buf.inter_group,
-            instance_count=collectives.world_size(buf.inter_group) if buf.inter_group is not None else 1,
-            instance_rank=collectives.rank(buf.inter_group) if buf.inter_group is not None else 0,
+            instance_count=instance_count, instance_rank=instance_rank,
         )
 
     @property
@@ -500,17 +507,28 @@ class DistributedDataParallel(torch.nn.Module):
         self._launch_cursor = 0
         self._inter_cursor = 0
         self._nonfinite.zero_()
-        self.grad_scale_factor.fill_(self._base_grad_scale)
+        self._normalisation.reset()
         self._grads_received = 0
         self._step_id += 1
 
+    @property
+    def grad_scale_factor(self) -> torch.Tensor:
+        """What this step's reduced gradients must be multiplied by (a 1-element fp32 device tensor;
+        change it with set_loss_divisor, set_grad_scale_factor or scale_gradients, never in place)."""
+        return self._normalisation.factor
+
     def scale_gradients(self, factor: Union[float, torch.Tensor]) -> None:
         """Megatron's scale_gradients, deferred: multiplies grad_scale_factor instead of the buffer."""
-        self.grad_scale_factor.mul_(factor)
+        self._normalisation.scale(factor)
 
     def set_grad_scale_factor(self, factor: Union[float, torch.Tensor]) -> None:
-        """Set the whole normalisation of this step's gradients (e.g. 1/N tokens), replacing 1/DP."""
-        self.grad_scale_factor.copy_(torch.as_tensor(factor, dtype=torch.float32).reshape(1))
+        """Set the whole normalisation of this step's gradients, replacing the default 1/DP."""
+        self._normalisation.set_factor(factor)
+
+    def set_loss_divisor(self, divisor: Union[float, torch.Tensor]) -> None:
+        """Normalise this step's gradients by 1/``divisor`` (e.g. the global token count of a per-token
+        loss), replacing the default 1/DP: the factor is exactly fp32(1/divisor)."""
+        self.set_grad_scale_factor(loss_divisor_factor(divisor))
 
     # ----------------------------------------------------------------- params
     def start_param_sync(self, *unused: Any, force_sync: bool = False, force_dispatch: bool = False,

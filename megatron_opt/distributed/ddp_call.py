@@ -14,15 +14,17 @@ otherwise ``instance_groups`` creates them. ``check_instance_groups`` checks eit
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .. import collectives
+from ..collectives import global_ranks
 from ..config import DistributedDataParallelConfig
+from ..config_conversion import as_ddp_config, check_transformer_config, starts_gradient_scale_at_one
 from ..errors import InvalidConfigError, UnsupportedConfigError
-from ..megatron.configs import as_ddp_config, check_transformer_config, starts_gradient_scale_at_one
 from .layout import partial_sharding
 
 OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group")
@@ -145,23 +147,10 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
 
 
 # ----------------------------------------------------------------------------- partial sharding groups
-_INSTANCE_GROUPS: dict[tuple, tuple] = {}
-
-
-def global_ranks(group: Optional[torch.distributed.ProcessGroup]) -> list[int]:
-    """The global ranks of ``group`` in group-rank order (None: the default group)."""
-    if not torch.distributed.is_initialized():
-        return [0]
-    if group is None or group is torch.distributed.group.WORLD:
-        return list(range(torch.distributed.get_world_size()))
-    return torch.distributed.get_process_group_ranks(group)
-
-
-def _alive(groups: tuple) -> bool:
-    try:
-        return all(torch.distributed.get_world_size(g) > 0 for g in groups)
-    except Exception:  # noqa: BLE001  (a group destroyed with its world)
-        return False
+# The instance groups this process created, per world: {default group: {(DP ranks, k): (intra, inter)}}.
+# Process groups are per-process objects (torch keeps its own in a process-wide registry); keyed
+# weakly by the world's default group, an entry ends with the world it was created in.
+_CREATED_INSTANCE_GROUPS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_instances: int) -> tuple[Any, Any]:
@@ -177,10 +166,10 @@ def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_inst
     """
     ranks = sorted(global_ranks(dp_group))
     split = partial_sharding(len(ranks), num_instances)
-    key = (id(torch.distributed.group.WORLD), tuple(ranks), num_instances)
-    cached = _INSTANCE_GROUPS.get(key)
-    if cached is not None and _alive(cached):
-        return cached
+    created = _CREATED_INSTANCE_GROUPS.setdefault(torch.distributed.group.WORLD, {})
+    key = (tuple(ranks), num_instances)
+    if key in created:
+        return created[key]
     me = torch.distributed.get_rank()
     whole_world = len(ranks) == torch.distributed.get_world_size()
     backend = torch.distributed.get_backend(dp_group)
@@ -193,59 +182,58 @@ def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_inst
         group = torch.distributed.new_group(group_ranks, backend=backend, use_local_synchronization=not whole_world)
         if me in group_ranks:
             mine[kind] = group
-    result = (mine["intra"], mine["inter"])
-    _INSTANCE_GROUPS[key] = result
-    return result
+    created[key] = (mine["intra"], mine["inter"])
+    return created[key]
 
 
 def check_instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], intra: Any, inter: Any,
                           num_instances: int) -> None:
     """Check that ``intra`` / ``inter`` split the data-parallel group into ``num_instances`` instances:
-    one all_gather_object over the data-parallel group, and every rank raises the same
-    InvalidConfigError (naming the problem) if not. The intra groups must partition the data-parallel
-    ranks into instances of DP / k ranks; each inter group must hold one rank of every instance, all
-    at the same position (rank) in their instance, since that position is the shard they own."""
+    one agreement over the data-parallel group (every rank learns every rank's groups), and every rank
+    raises the same InvalidConfigError (naming the problem) if not. The intra groups must partition
+    the data-parallel ranks into instances of DP / k ranks; each inter group must hold one rank of
+    every instance, all at the same position (rank) in their instance, since that position is the
+    shard they own."""
     dp_ranks = global_ranks(dp_group)
     split = partial_sharding(len(dp_ranks), num_instances)
     s, k = split.shard_count, num_instances
     me = torch.distributed.get_rank()
-    error = None
+    error, held = None, None
     if intra is None or inter is None:
         error = "no intra-instance or inter-instance group"
     else:
-        intra_ranks, inter_ranks = global_ranks(intra), global_ranks(inter)
-        if me not in intra_ranks or me not in inter_ranks:
+        held = (tuple(global_ranks(intra)), tuple(global_ranks(inter)))
+        if me not in held[0] or me not in held[1]:
             error = "this rank is not a member of its intra-instance or inter-instance group"
-    mine = (error, None if error else tuple(intra_ranks), None if error else tuple(inter_ranks))
-    everyone = [mine]
-    if collectives.world_size(dp_group) > 1:
-        everyone = [None] * collectives.world_size(dp_group)
-        torch.distributed.all_gather_object(everyone, mine, group=dp_group)
-    fix = (f"with num_distributed_optimizer_instances={k} at data-parallel size {len(dp_ranks)}, each instance "
+    what = "DistributedDataParallel: the partial-sharding groups are wrong"
+    fix = (f"With num_distributed_optimizer_instances={k} at data-parallel size {len(dp_ranks)}, each instance "
            f"(intra group) is {s} data-parallel ranks and each inter-instance group is the {k} ranks holding the same "
            f"shard, one per instance. Initialise megatron-core's parallel_state (or build pg_collection) with "
            f"num_distributed_optimizer_instances={k}, or pass no groups and let megatron_opt create them.")
-    problems = [f"rank {dp_ranks[r]}: {e}" for r, (e, _, _) in enumerate(everyone) if e is not None]
-    if not problems:
-        intra_of = {dp_ranks[r]: a for r, (_, a, _) in enumerate(everyone)}
-        inter_of = {dp_ranks[r]: b for r, (_, _, b) in enumerate(everyone)}
-        for rank in dp_ranks:
-            a, b = intra_of[rank], inter_of[rank]
-            if len(a) != s or len(b) != k:
-                problems.append(f"rank {rank}'s intra-instance group has {len(a)} ranks and its inter-instance "
-                                f"group {len(b)} (expected {s} and {k})")
-            elif not set(a) <= set(dp_ranks) or not set(b) <= set(dp_ranks):
-                problems.append(f"rank {rank}'s instance groups {list(a)} / {list(b)} reach outside the "
-                                f"data-parallel group {dp_ranks}")
-            elif any(intra_of[m] != a for m in a) or any(inter_of[m] != b for m in b):
-                problems.append(f"rank {rank}'s instance groups {list(a)} / {list(b)} differ from their members' own")
-            elif len({intra_of[m].index(m) for m in b}) != 1 or len({intra_of[m] for m in b}) != k:
-                problems.append(f"the inter-instance group {list(b)} does not hold one rank of every instance at the "
-                                f"same position (shard)")
-            if problems:
-                break
-    if problems:
-        raise InvalidConfigError(f"DistributedDataParallel: the partial-sharding groups are wrong: {problems[0]}; {fix}")
+    everyone = collectives.agree(what, error, dp_group, payload=held, error_type=InvalidConfigError, failure_note=fix)
+    problem = _split_problem(dict(zip(dp_ranks, everyone)), dp_ranks, s, k)
+    if problem:
+        raise InvalidConfigError(f"{what}: {problem}. {fix}")
+
+
+def _split_problem(held: dict[int, tuple], dp_ranks: list[int], s: int, k: int) -> Optional[str]:
+    """The first reason the groups each rank holds ({rank: (intra ranks, inter ranks)}) do not split
+    ``dp_ranks`` into k instances of s ranks, or None."""
+    intra_of = {rank: a for rank, (a, _) in held.items()}
+    inter_of = {rank: b for rank, (_, b) in held.items()}
+    for rank in dp_ranks:
+        a, b = intra_of[rank], inter_of[rank]
+        if len(a) != s or len(b) != k:
+            return (f"rank {rank}'s intra-instance group has {len(a)} ranks and its inter-instance group {len(b)} "
+                    f"(expected {s} and {k})")
+        if not set(a) <= set(dp_ranks) or not set(b) <= set(dp_ranks):
+            return f"rank {rank}'s instance groups {list(a)} / {list(b)} reach outside the data-parallel group {dp_ranks}"
+        if any(intra_of[m] != a for m in a) or any(inter_of[m] != b for m in b):
+            return f"rank {rank}'s instance groups {list(a)} / {list(b)} differ from their members' own"
+        if len({intra_of[m].index(m) for m in b}) != 1 or len({intra_of[m] for m in b}) != k:
+            return (f"the inter-instance group {list(b)} does not hold one rank of every instance at the same "
+                    f"position (shard)")
+    return None
 
 
 __all__ = ["DDPCall", "parse_ddp_call", "is_megatron_core_call", "instance_groups", "check_instance_groups",

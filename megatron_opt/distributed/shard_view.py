@@ -3,8 +3,8 @@
 ``distributed/`` owns buffers, buckets and their layout; the optimizer sees none of that. It gets:
 
 * ``LocalShard``: one frozen view per bucket of this rank's owned range (flat grad and param views,
-  the param pieces inside it with their names, the process group), from
-  ``GradSource.local_shards()``;
+  the param pieces inside it with their names, the process group, the one resolved unscale factor
+  of its gradients and its role in the gradient statistics), from ``GradSource.local_shards()``;
 * ``GradSource``: the few calls the optimizer makes on a model chunk during a step.
 
 ``assemble_full_tensors`` turns per-shard flat tensors (masters, grads) back into whole params by
@@ -20,6 +20,7 @@ import torch
 
 from .. import collectives
 from .layout import ShardPiece
+from .stats_role import StatsRole
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class LocalShard:
     bucket_index: int
     rank: int  # this rank's index among the bucket's shard owners, i.e. in ``group`` (0 when not sharded)
     shard_count: int  # shards per bucket: the size of ``group`` (DP / num_distributed_optimizer_instances)
+    # The logical gradient is ``grad * unscale_factor``: a device scalar that DDP keeps current (the
+    # step's 1/DP or 1/N, Megatron's scale_gradients, and the undo of a 16-bit pre-scale, resolved
+    # once). The optimizer multiplies it by 1/loss_scale and knows nothing else about normalisation.
+    unscale_factor: torch.Tensor
+    stats_role: StatsRole  # which of these elements this rank counts in the gradient statistics, and where
     grad_prescale: float = 1.0  # what the gradients were multiplied by before their reduction (16-bit: 1/DP)
     # Partial sharding (num_distributed_optimizer_instances = k > 1). ``group`` is then one optimizer
     # instance (DP / k ranks), which holds the whole model once: statistics summed over ``group`` count
@@ -67,9 +73,8 @@ class GradSource(Protocol):
     """What the optimizer needs from one data-parallel model chunk (DistributedDataParallel).
 
     * ``local_shards(expert_parallel)``: the published shards, built once, in bucket order.
-    * ``finish_grad_sync()``: launch what is left of the gradient reduction and wait for it.
-    * ``grad_scale_factor``: a device scalar; the logical gradient is
-      ``shard.grad * grad_scale_factor / shard.grad_prescale``.
+    * ``finish_grad_sync()``: launch what is left of the gradient reduction and wait for it; the
+      logical gradient of a shard is then ``shard.grad * shard.unscale_factor``.
     * ``step_id``: advanced by ``zero_grad_buffer()``, so the optimizer can tell a new step's gradients.
     * ``grads_received``: gradients accumulated since ``zero_grad_buffer()`` (0: no backward ran).
     * ``start_param_sync(force_sync=..., force_dispatch=..., expert_parallel=...)`` /
@@ -79,7 +84,6 @@ class GradSource(Protocol):
       both sides agree on use_distributed_optimizer).
     """
 
-    grad_scale_factor: torch.Tensor
     ddp_config: Any
 
     @property
@@ -126,4 +130,4 @@ def assemble_full_tensors(
     return out
 
 
-__all__ = ["LocalShard", "GradSource", "ShardPiece", "assemble_full_tensors"]
+__all__ = ["LocalShard", "GradSource", "ShardPiece", "StatsRole", "assemble_full_tensors"]

@@ -22,8 +22,22 @@ from typing import Optional
 
 import torch
 
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # grads, params and moments (the kernels' float codes)
 MASTER_DTYPES = (torch.float32, torch.float16, torch.int16)
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = FLOAT_DTYPES
+# The (exp_avg, exp_avg_sq) dtype pairs the CUDA AdamW kernel is compiled for (csrc/pass2.cuh:
+# supported_state_pair and run_pass2_master; tests/unit/test_kernel_instantiations.py checks they
+# match). Any other pair of STATE_DTYPES runs the torch reference on CUDA tensors instead.
+KERNEL_MOMENT_PAIRS: tuple[tuple[torch.dtype, torch.dtype], ...] = (
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32))
+
+
+def dtype_names(dtypes) -> str:
+    """"float32, bfloat16" for a sequence of dtypes, or "(float32, float32), ..." for one of pairs."""
+    def name(d) -> str:
+        return f"({dtype_names(d)})" if isinstance(d, tuple) else str(d).replace("torch.", "")
+    return ", ".join(name(d) for d in dtypes)
 
 _M32 = 0xFFFFFFFF
 
@@ -109,5 +123,5 @@ def store_state(values: torch.Tensor, state: torch.Tensor, *, stochastic: bool =
         state.copy_(values)
 
 
-__all__ = ["MASTER_DTYPES", "STATE_DTYPES", "is_remainder", "join_remainder", "split_remainder", "load_master",
+__all__ = ["FLOAT_DTYPES", "MASTER_DTYPES", "STATE_DTYPES", "KERNEL_MOMENT_PAIRS", "dtype_names", "is_remainder", "join_remainder", "split_remainder", "load_master",
            "store_master", "hash16", "round_bf16_stochastic", "store_state"]

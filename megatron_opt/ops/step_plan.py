@@ -23,16 +23,16 @@ from typing import Optional, Sequence
 
 import torch
 
+from .operand_checks import check_plan_shards
 from .piece_table import PieceTable
+from .precision import FLOAT_DTYPES
 
 CHUNK = 32768  # elements per chunk at most: 4 (bf16) to 8 (fp32) unrolled iterations of a 256-thread block
 PTR_COLS = 5  # grad, master, state0, state1, param_out (matches csrc/common.cuh kPtrCols)
 MAX_STATES = 2
 _VECTOR_BYTES = 16
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLOAT_DTYPES = tuple(DTYPE_CODES)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/common.cuh kCodeF32, kCodeBF16, kCodeF16
 MASTER_CODES = {torch.float32: 0, torch.float16: 2, torch.int16: 3}  # 3: remainder (csrc/common.cuh kCodeRem)
-_MASTER_DTYPES = tuple(MASTER_CODES)
 _IN_NORM_BIT = 32
 _PHASE_SHIFT = 40
 
@@ -53,61 +53,6 @@ def _phase(ptr: int, elem_size: int, vec: int) -> int:
     return -1 if ptr % elem_size else (ptr // elem_size) % vec
 
 
-def _check_operands(shards: Sequence[ShardOperands], needs_update: bool) -> None:
-    first = shards[0]
-    device, gdt = first.grad.device, first.grad.dtype
-    pdt = None if first.param_out is None else first.param_out.dtype
-    for k, s in enumerate(shards):
-        named = {"grad": s.grad, "master": s.master, "param_out": s.param_out,
-                 **{f"state{i}": t for i, t in enumerate(s.state)}}
-        for name, t in named.items():
-            if t is None:
-                continue
-            where = f"StepPlan shard {k}: {name}"
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{where} must be a torch.Tensor, got {type(t).__name__}")
-            if t.device != device:
-                raise ValueError(f"{where} is on {t.device}, shard 0's grad on {device}: one plan, one device")
-            if t.dim() != 1 or not t.is_contiguous():
-                raise ValueError(f"{where} must be a contiguous 1-D shard, got shape {tuple(t.shape)}")
-            if t.numel() < s.table.numel:
-                raise ValueError(f"{where} has {t.numel()} elements but the piece table covers {s.table.numel}")
-        if s.grad.dtype != gdt or s.grad.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"StepPlan shard {k}: grad dtype {s.grad.dtype}; a plan needs one grad dtype out of "
-                            f"float32/bfloat16/float16 (shard 0 has {gdt}): build one plan per buffer")
-        if (None if s.param_out is None else s.param_out.dtype) != pdt:
-            raise TypeError(f"StepPlan shard {k}: param_out dtype differs from shard 0's ({pdt}): one plan per buffer")
-        if pdt is not None and pdt not in _FLOAT_DTYPES:
-            raise TypeError(f"StepPlan shard {k}: param_out dtype {pdt} is not float32/bfloat16/float16")
-        if needs_update:
-            if s.master is None or s.master.dtype not in _MASTER_DTYPES:
-                raise TypeError(f"StepPlan shard {k}: master must be a float32, float16 or int16 (remainder) tensor")
-            if s.master.dtype != first.master.dtype:
-                raise TypeError(f"StepPlan shard {k}: master dtype {s.master.dtype} differs from shard 0's "
-                                f"{first.master.dtype}: one plan per master storage")
-            if s.master.dtype == torch.int16 and pdt != torch.bfloat16:
-                raise TypeError(f"StepPlan shard {k}: an int16 remainder master needs a bfloat16 param_out (the high half)")
-            if [t.dtype for t in s.state] != [t.dtype for t in first.state]:
-                raise ValueError(f"StepPlan shard {k}: state dtypes {[t.dtype for t in s.state]} differ from "
-                                 f"shard 0's {[t.dtype for t in first.state]}")
-        check_no_overlap(f"StepPlan shard {k}", named)
-
-
-def check_no_overlap(where: str, named: dict[str, Optional[torch.Tensor]]) -> None:
-    """Outputs must not overlap each other or the grad, except master aliasing param_out exactly
-    (fp32 params: every element is then read and written by the same thread)."""
-    items = [(n, t) for n, t in named.items() if t is not None and t.numel() > 0]
-    for i in range(len(items)):
-        for j in range(i + 1, len(items)):
-            (na, a), (nb, b) = items[i], items[j]
-            a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
-            b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
-            if a0 < b1 and b0 < a1:
-                if {na, nb} == {"master", "param_out"} and (a0, a1, a.dtype) == (b0, b1, b.dtype):
-                    continue
-                raise ValueError(f"{where}: {na} and {nb} overlap in memory")
-
-
 @dataclass
 class StepPlan:
     """Shards of one launch group, cut into chunks once. ``update=False`` builds a stats-only plan
@@ -123,7 +68,7 @@ class StepPlan:
         if self.chunk < 1:
             raise ValueError(f"chunk must be >= 1, got {self.chunk}")
         if self.shards:
-            _check_operands(self.shards, self.update)
+            check_plan_shards(self.shards, self.update)
         self.max_group = max((g for s in self.shards for g in s.table.group), default=-1)
         self._chunk_rows = self._build_chunks()
 
@@ -164,7 +109,7 @@ class StepPlan:
 
     def check_kernel_layout(self, op: str) -> None:
         """The CUDA kernels take at most two state arrays per shard, each float32, bfloat16 or float16."""
-        if len(self.state_dtypes) > MAX_STATES or any(d not in _FLOAT_DTYPES for d in self.state_dtypes):
+        if len(self.state_dtypes) > MAX_STATES or any(d not in FLOAT_DTYPES for d in self.state_dtypes):
             raise TypeError(f"{op}: the CUDA kernels take at most {MAX_STATES} float32/bfloat16/float16 state tensors "
                             f"per shard, this plan has {list(self.state_dtypes)}")
 

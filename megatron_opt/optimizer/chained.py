@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import collectives
 from .distrib_optimizer import DistributedOptimizer
 from .megatron_optimizer import MegatronOptimizer
 from .shard_group import ShardGroup
+from .state_view import LeafView
 from .step_driver import StepDriver
 
 
@@ -56,18 +56,10 @@ class ChainedOptimizer(MegatronOptimizer):
     def _leaves(self) -> list[ShardGroup]:
         return [c.shard_group for c in self.chained_optimizers]
 
-    def state_dict(self, is_loading: bool = False) -> dict:
-        return {"chained": [c.state_dict() for c in self.chained_optimizers]}
+    # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
+    def state_leaves(self) -> list[LeafView]:
+        """The children's leaves, in chain order (state_dict() and checkpoints cover the whole chain)."""
+        return [leaf for c in self.chained_optimizers for leaf in c.state_leaves()]
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("chained") if isinstance(state_dict, dict) else None
-        if saved is None or len(saved) != len(self.chained_optimizers):
-            raise ValueError(f"ChainedOptimizer.load_state_dict: expected {len(self.chained_optimizers)} child "
-                             f"state dicts under 'chained'. Load a checkpoint saved by the same model setup.")
-        def check_all() -> None:  # every child, on every rank, before anything changes
-            for c, sd in zip(self.chained_optimizers, saved):
-                c.check_loadable(sd)
-
-        collectives.raise_together(check_all, self.grad_stats_group, "ChainedOptimizer.load_state_dict", ValueError)
-        for c, sd in zip(self.chained_optimizers, saved):
-            c.load_state_dict(sd)
+    def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        return self.grad_stats_group

@@ -17,10 +17,10 @@ from ..megatron.configs import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
 from .shard_group import ShardGroup
+from .state_dict import STATE_DICT_FORMAT
+from .state_view import LeafView, leaf_view
 from .step_driver import StepDriver
 from .update_rules import UpdateRule, update_rule_from_config
-
-STATE_DICT_FORMAT = "megatron_opt.DistributedOptimizer/1"
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -105,35 +105,14 @@ class DistributedOptimizer(MegatronOptimizer):
         """Updates applied so far (skipped steps excluded)."""
         return int(self.shard_group.step.item())
 
-    # ----------------------------------------------------------------- checkpointing (same DP size)
-    def state_dict(self, is_loading: bool = False) -> dict:
-        """This rank's shard state (same data-parallel size only; megatron_opt.checkpoint reshards).
-        ``is_loading`` (megatron-core's: a template to load into) returns the same."""
-        return {
-            "format": STATE_DICT_FORMAT,
-            **self.shard_group.state_dict(),
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-        }
+    # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
+    def state_leaves(self) -> list[LeafView]:
+        return [leaf_view(self.shard_group, self.model_chunks, model_parallel=self.model_parallel_group is not None)]
 
-    def check_loadable(self, state_dict: dict) -> None:
-        """Raise (changing nothing) unless ``state_dict`` fits this optimizer, rank and DP size."""
-        fix = "Load a checkpoint saved by this model with the same data-parallel size and precision."
-        if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_DICT_FORMAT:
-            found = state_dict.get("format") if isinstance(state_dict, dict) else type(state_dict)
-            raise ValueError(f"not a megatron_opt DistributedOptimizer state_dict (format {found}). {fix}")
-        self.shard_group.check_loadable(state_dict, fix)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restore this rank's shard state; every rank must call it (it ends with a param all-gather).
-        The ranks agree first: a state dict refused on any rank is refused on every rank."""
+    def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        # The data-parallel group: its ranks end a load in one param all-gather.
         groups = self.shard_group.stats_groups()
-        collectives.raise_together(lambda: self.check_loadable(state_dict), groups[0] if groups else None,
-                                   "DistributedOptimizer.load_state_dict", ValueError)
-        self.shard_group.load_state_dict(state_dict)
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        self.shard_group.start_param_sync(force_sync=True)
-        self.shard_group.finish_param_sync()
+        return groups[0] if groups else None
 
 
 def _overlap_with_step_error(config: Any, model_chunks: Sequence[GradSource]) -> Optional[str]:

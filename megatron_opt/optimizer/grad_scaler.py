@@ -1,13 +1,17 @@
 """Loss scalers with Megatron-LM's semantics, on any device.
 
 ``update(found_inf)`` is called exactly once per optimizer step, after the global overflow decision
-(rule 2 of docs/contract.md); growth and backoff therefore count optimizer steps.
+(rule 2 of docs/contract.md); growth and backoff therefore count optimizer steps. It has one
+implementation, in device ops, so a step decided on the device (optimizer_cuda_graph) updates the
+scaler with no host synchronisation: ``found_inf`` and ``applied`` may be host bools or device flags.
 """
 from __future__ import annotations
 
 from typing import Optional, Union
 
 import torch
+
+Flag = Union[bool, torch.Tensor]  # a host bool, or a device tensor read as "nonzero"
 
 
 class MegatronGradScaler:
@@ -24,13 +28,10 @@ class MegatronGradScaler:
     def inv_scale(self) -> torch.Tensor:
         return self._scale.double().reciprocal().float()
 
-    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
-        raise NotImplementedError
-
-    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
-        """The same update as device ops, for a step with no host synchronisation: ``overflow`` (a
-        bool tensor) is update(True); ``applied`` is update(False); neither (a step skipped for its
-        norm) leaves the scaler as it was."""
+    def update(self, found_inf: Flag, applied: Optional[Flag] = None) -> None:
+        """One step's update: ``found_inf`` (an overflow) backs off; ``applied`` (default: not
+        found_inf), a clean step whose update was applied, counts towards growth; neither (a step
+        skipped for its norm) leaves the scaler as it was."""
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -43,10 +44,7 @@ class MegatronGradScaler:
 class ConstantGradScaler(MegatronGradScaler):
     """A fixed scale. Non-finite steps are still skipped (the check runs whenever a scaler exists)."""
 
-    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
-        pass
-
-    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
+    def update(self, found_inf: Flag, applied: Optional[Flag] = None) -> None:
         pass
 
     def state_dict(self) -> dict:
@@ -84,27 +82,22 @@ class DynamicGradScaler(MegatronGradScaler):
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.hysteresis = int(hysteresis)
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
-        self._trackers: Optional[torch.Tensor] = None  # [growth, hysteresis] on the device, once used there
+        # [growth tracker, hysteresis tracker] on the scale's device, updated in place (a captured CUDA
+        # graph holds its address); host reads happen only for state_dict().
+        self._trackers = torch.tensor([0, self.hysteresis], dtype=torch.int64, device=self._scale.device)
+        self._flags = torch.tensor([False, True], device=self._scale.device)  # host bools as device flags
 
-    # Once a step has run on the device, the device trackers are the truth (a captured CUDA graph
-    # holds their address, so they are never replaced); host uses read and write them in place.
-    def _pull_trackers(self) -> None:
-        if self._trackers is not None:
-            self._growth_tracker, self._hysteresis_tracker = (int(x) for x in self._trackers.tolist())
+    def _as_flag(self, flag: Flag) -> torch.Tensor:
+        if isinstance(flag, torch.Tensor):
+            return (flag.to(self._scale.device) != 0).reshape(())
+        return self._flags[int(bool(flag))]  # a view: no host-to-device copy, no synchronisation
 
-    def _push_trackers(self) -> None:
-        if self._trackers is not None:
-            self._trackers.copy_(torch.tensor([self._growth_tracker, self._hysteresis_tracker], dtype=torch.int64))
-
-    def update_on_device(self, overflow: torch.Tensor, applied: torch.Tensor) -> None:
-        if self._trackers is None:
-            self._trackers = torch.tensor([self._growth_tracker, self._hysteresis_tracker], dtype=torch.int64,
-                                          device=self._scale.device)
+    def update(self, found_inf: Flag, applied: Optional[Flag] = None) -> None:
+        overflow = self._as_flag(found_inf)
+        applied_t = ~overflow if applied is None else self._as_flag(applied)
         growth, hyst = self._trackers[0], self._trackers[1]
-        growth = torch.where(overflow, 0, torch.where(applied, growth + 1, growth))
-        grow = applied & (growth == self.growth_interval)
+        growth = torch.where(overflow, 0, torch.where(applied_t, growth + 1, growth))
+        grow = applied_t & (growth == self.growth_interval)
         growth = torch.where(grow, 0, growth)
         hyst = torch.where(overflow, hyst - 1, torch.where(grow, self.hysteresis, hyst))
         backoff = overflow & (hyst <= 0)
@@ -113,31 +106,15 @@ class DynamicGradScaler(MegatronGradScaler):
         self._scale.copy_(scale)
         self._trackers.copy_(torch.stack([growth, hyst]))
 
-    def update(self, found_inf: Union[bool, torch.Tensor]) -> None:
-        self._pull_trackers()
-        if bool(found_inf):
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self._scale.mul_(self.backoff_factor).clamp_(min=self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker = 0
-                self._hysteresis_tracker = self.hysteresis
-                self._scale.mul_(self.growth_factor)
-        self._push_trackers()
-
     def state_dict(self) -> dict:
-        self._pull_trackers()
+        growth, hyst = self._trackers.tolist()
         return {
             "scale": self._scale.detach().cpu().clone(),
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
+            "growth_tracker": int(growth),
+            "hysteresis_tracker": int(hyst),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         self._scale.copy_(state_dict["scale"].to(self._scale.device).reshape(1))
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
-        self._push_trackers()
+        self._trackers.copy_(torch.tensor([int(state_dict["growth_tracker"]), int(state_dict["hysteresis_tracker"])],
+                                          dtype=torch.int64))

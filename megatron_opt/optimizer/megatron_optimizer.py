@@ -10,10 +10,13 @@ from typing import Any, Optional
 
 import torch
 
+from .. import collectives
 from ..errors import StepOrderError, UnsupportedConfigError
+from . import state_dict as optimizer_state_dict
 from .grad_scaler import MegatronGradScaler
 from .shard_group import PieceState, ShardGroup
 from .step_driver import SkipReason, StepDriver, StepState
+from .state_view import LeafView
 
 
 class MegatronOptimizer:
@@ -179,6 +182,35 @@ class MegatronOptimizer:
                 "restore masters with megatron_opt.checkpoint.load (or drop --load-main-params-from-ckpt).")
         for leaf in self._leaves():
             leaf.reload_model_params()
+
+    # ----------------------------------------------------------------- the state view (state_view.OptimizerStateView)
+    def state_leaves(self) -> list[LeafView]:
+        """Each leaf as checkpoint code sees it: update rule, owned pieces tagged with their model chunk,
+        param groups, update counter (the one view megatron_opt.checkpoint and state_dict() use)."""
+        raise NotImplementedError
+
+    def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The ranks that load a state_dict together (None: the default group)."""
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- state_dict: in memory, per parameter
+    def state_dict(self, is_loading: bool = False) -> dict:
+        """This rank's optimizer state per parameter, in model space (optimizer/state_dict.py): the
+        pieces it owns, plus hyperparameters, update counts and the loss scaler. ``is_loading``
+        (megatron-core's: a template to load into) returns the same."""
+        return optimizer_state_dict.build(self)
+
+    def check_loadable(self, state_dict: dict) -> None:
+        """Raise ValueError (changing nothing) unless ``state_dict`` loads on this rank: the same model
+        and update rules, no non-finite values, and the elements this rank owns present in it."""
+        optimizer_state_dict.check(self, state_dict)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a state_dict() (every rank calls it; it ends with a param all-gather). The ranks agree
+        first: a state_dict refused on any rank raises the same ValueError on every rank."""
+        collectives.raise_together(lambda: self.check_loadable(state_dict), self._state_dict_group(),
+                                   f"{type(self).__name__}.load_state_dict", ValueError)
+        optimizer_state_dict.load(self, state_dict)
 
     # ----------------------------------------------------------------- members Megatron-LM's training loop reads
     is_stub_optimizer = False  # megatron-core's placeholder optimizer for ranks without params; never us

@@ -1,4 +1,5 @@
-"""Random-number-generator state of one process: python, numpy, torch CPU and every CUDA device."""
+"""The random-number generators of one process (python, numpy, torch CPU and every CUDA device):
+captured into a checkpoint per rank, restored at the same world size."""
 from __future__ import annotations
 
 import random

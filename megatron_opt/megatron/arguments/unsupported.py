@@ -1,0 +1,143 @@
+"""Megatron-LM's flags that megatron_opt does not implement: why, which values are harmless no-ops,
+and the one message that names every such flag of a command line before anything runs."""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping, NamedTuple, Optional, Sequence
+
+# Megatron-LM flags accepted when their value makes them a no-op (None: a switch that changes nothing).
+NOOP_VALUES: Mapping[str, Optional[str]] = MappingProxyType({
+    "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--context-parallel-size": "1",
+    "--expert-model-parallel-size": "1", "--expert-tensor-parallel-size": "1",
+    "--sequence-parallel": None,  # Megatron-LM itself turns it off when the tensor-parallel size is 1
+    "--ckpt-format": "torch_dist",  # torch.distributed.checkpoint folders, like Megatron-LM's default
+    "--no-check-for-nan-in-loss-and-grad": None,  # there is no such check to turn off
+})
+
+
+class UnsupportedFlags(NamedTuple):
+    prefixes: tuple[str, ...]  # a flag starting with one of these belongs here
+    reason: str  # the default reason; a caller can phrase its own (parse_megatron_args' reasons)
+
+
+# Megatron-LM's flags megatron_opt does not implement, by feature; a flag belongs to the first feature
+# whose prefix it starts with. Supporting a feature later removes its entry (and adds its flags).
+UNSUPPORTED_FLAGS: Mapping[str, UnsupportedFlags] = MappingProxyType({
+    "fp8": UnsupportedFlags(
+        ("--fp8", "--fp4", "--first-last-layers-bf16", "--num-layers-at-"),
+        "fp8/fp4 training is not implemented (precision: --bf16, --fp16 or fp32)"),
+    "model_parallel": UnsupportedFlags(
+        ("--tensor-model-parallel", "--pipeline-model-parallel", "--context-parallel", "--expert-model-parallel",
+         "--expert-tensor-parallel", "--sequence-parallel", "--num-layers-per-virtual", "--virtual-pipeline",
+         "--num-virtual-stages", "--decoder-first-pipeline", "--decoder-last-pipeline", "--account-for-",
+         "--tp-comm", "--cp-comm", "--hierarchical-context"),
+        "only data parallelism: tensor, pipeline, context and expert parallel sizes must be 1"),
+    "data": UnsupportedFlags(
+        ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
+         "--per-split-data-args", "--mock-data", "--split", "--data-cache-path", "--vocab-file", "--merge-file",
+         "--vocab-size", "--vocab-extra-ids", "--tokenizer", "--tiktoken", "--null-tokenizer", "--num-workers",
+         "--no-mmap-bin-files", "--mmap-bin-files", "--no-create-attention-mask", "--create-attention-mask",
+         "--dataloader-type", "--num-dataset-builder-threads", "--reset-position-ids", "--reset-attention-mask",
+         "--eod-mask-loss", "--make-vocab-size-divisible-by", "--object-storage-cache-path"),
+        "data and tokenizer flags are not implemented: the program brings its own data"),
+    "model": UnsupportedFlags(
+        ("--use-mcore-models", "--use-legacy-models", "--transformer-impl", "--spec", "--swiglu", "--squared-relu",
+         "--num-query-groups", "--group-query-attention", "--kv-channels", "--position-embedding-type", "--rotary",
+         "--use-rotary", "--rope", "--no-rope", "--normalization", "--norm-epsilon", "--apply-layernorm-1p",
+         "--disable-bias-linear", "--add-bias-linear", "--add-qkv-bias", "--qk-layernorm", "--attention-dropout",
+         "--hidden-dropout", "--attention-backend", "--num-experts", "--moe-", "--multi-latent-attention",
+         "--q-lora-rank", "--kv-lora-rank", "--mtp-", "--cross-entropy", "--attention-softmax-in-fp32",
+         "--apply-residual-connection-post-layernorm", "--fp32-residual-connection", "--openai-gelu",
+         "--onnx-safe", "--bert-no-binary-head", "--hybrid-", "--heterogeneous", "--recompute",
+         "--masked-softmax-fusion", "--no-masked-softmax-fusion", "--no-bias-", "--no-rope-fusion",
+         "--use-flash-attn", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion",
+         "--no-position-embedding", "--embedding-", "--output-logit-dtype", "--fp16-lm-cross-entropy"),
+        "model architecture flags are not implemented (only the network size): the program brings its own model"),
+    "evaluation": UnsupportedFlags(
+        ("--eval-", "--skip-train", "--test-mode", "--full-validation", "--multiple-validation-sets"),
+        "evaluation is not implemented"),
+    "batch_rampup": UnsupportedFlags(
+        ("--rampup-batch-size", "--step-batch-size-schedule", "--decrease-batch-size-if-needed"),
+        "the global batch size is constant"),
+    "logging": UnsupportedFlags(
+        ("--wandb-", "--one-logger", "--enable-one-logger", "--log-"),
+        "this logging option is not implemented (supported: --log-interval, --log-throughput, "
+        "--log-num-zeros-in-grad, --log-timers-to-tensorboard, --tensorboard-dir, --tensorboard-log-interval)"),
+    "profiling": UnsupportedFlags(
+        ("--profile", "--use-pytorch-profiler", "--record-memory-history", "--memory-snapshot-path"),
+        "profiling is not implemented"),
+    "overlap_param_gather_with_optimizer_step": UnsupportedFlags(
+        ("--overlap-param-gather-with-optimizer-step",),
+        "it overlaps the first model chunk's all-gather with the other chunks' update, and needs virtual pipeline "
+        "chunks (as in Megatron-LM); megatron_opt's API supports it "
+        "(OptimizerConfig.overlap_param_gather_with_optimizer_step, docs/usage.md)"),
+    "not_implemented": UnsupportedFlags(
+        ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype", "--use-torch-fsdp2",
+         "--use-megatron-fsdp", "--use-custom-fsdp", "--data-parallel-sharding-strategy", "--ddp-num-buckets",
+         "--ddp-average-in-collective", "--ddp-pad-buckets", "--ddp-reduce-scatter-with-fp32", "--nccl-ub",
+         "--optimizer-cuda-graph", "--no-align-param-gather", "--muon", "--apply-wd-to-qk-layernorm"),
+        "not implemented by megatron_opt or by this script"),
+})
+
+NOT_A_FLAG = "not a flag this script implements"
+
+
+def unsupported_flags_message(extras: Sequence[str], program: str, *, reasons: Optional[Mapping[str, str]] = None,
+                              noop_values: Optional[Mapping[str, Optional[str]]] = None) -> Optional[str]:
+    """One message naming every flag of ``extras`` (what ``parse_known_args`` did not know) with the
+    reason it is not supported, or None when each is an accepted no-op. ``reasons`` (feature of
+    UNSUPPORTED_FLAGS -> text) rephrases a reason for the program; ``noop_values`` adds to NOOP_VALUES."""
+    noop = {**NOOP_VALUES, **(noop_values or {})}
+    unknown = sorted(set(reasons or {}) - set(UNSUPPORTED_FLAGS))
+    if unknown:
+        raise ValueError(f"unsupported_flags_message: reasons for {unknown}, which are not in UNSUPPORTED_FLAGS")
+    bad = [(flag, values) for flag, values in _group_words(extras) if not _is_noop(flag, values, noop)]
+    if not bad:
+        return None
+    lines = [f"  {' '.join([flag, *values])}: {_reason(flag, reasons or {})}" for flag, values in bad]
+    accepted = ", ".join(f"{k} {v}" if v is not None else k for k, v in noop.items())
+    return (f"{len(bad)} flag{'s' if len(bad) > 1 else ''} not supported by {program} (nothing was run):\n"
+            + "\n".join(lines)
+            + f"\nRemove {'them' if len(bad) > 1 else 'it'}. Megatron-LM flags accepted as no-ops here: {accepted}.")
+
+
+def _reason(flag: str, reasons: Mapping[str, str]) -> str:
+    for feature, unsupported in UNSUPPORTED_FLAGS.items():
+        if flag.startswith(unsupported.prefixes):
+            return reasons.get(feature, unsupported.reason)
+    return NOT_A_FLAG
+
+
+def _group_words(extras: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """Unknown command-line words as (flag, its values); a word that is no flag follows the flag before it."""
+    groups: list[tuple[str, list[str]]] = []
+    for word in extras:
+        if word.startswith("-") and not _is_number(word):
+            flag, _, value = word.partition("=")
+            groups.append((flag, [value] if value else []))
+        elif groups:
+            groups[-1][1].append(word)
+        else:
+            groups.append((word, []))
+    return groups
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False
+
+
+def _is_noop(flag: str, values: list[str], noop: Mapping[str, Optional[str]]) -> bool:
+    if flag not in noop:
+        return False
+    want = noop[flag]
+    if want is None:
+        return not values
+    if len(values) != 1:
+        return False
+    if _is_number(want):
+        return _is_number(values[0]) and float(values[0]) == float(want)
+    return values[0] == want

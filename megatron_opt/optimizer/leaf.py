@@ -1,0 +1,192 @@
+"""OptimizerLeaf: one ShardStore and the calls the step driver makes on it.
+
+Shards that share an unscale factor, dtypes and stats role form one ``LaunchPlan`` with one
+``StepPlan`` (built once), so each pass is one call per plan, not one per bucket; the per-group lr
+and weight decay live in a device table (``DeviceHyperparams``) updated in place.
+
+The driver calls the leaf protocol (``accumulate_local_stats``, ``stage_hyperparams``,
+``apply_update``, ``start_param_sync``, ``clear_model_grads``); the leaf never decides anything on
+its own. Checkpoints and Megatron-LM's API read and write the state through the accessors below
+(``piece_states``, ``state_tensors``, ...), which state_access implements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .. import collectives, ops
+from ..distributed.shard_view import GradSource
+from . import local_state_dict, state_access
+from .shard_store import ShardStore
+from .state_access import PieceState
+from .update_rules import UpdateRule
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Shards that pass 1 and pass 2 cover in one call each."""
+
+    step_plan: ops.StepPlan
+    unscale_factor: torch.Tensor  # the shards' one resolved unscale factor (distributed/ keeps it current)
+    counts_stats: bool  # the shards' stats role: False where another rank counts these elements
+
+
+class OptimizerLeaf:
+    """Masters and state for the dense (or expert-parallel) shards of some model chunks, and the
+    step's calls on them."""
+
+    def __init__(
+        self,
+        sources: Sequence[GradSource],
+        rule: UpdateRule,
+        param_groups: Optional[list[dict]],
+        *,
+        default_lr: float,
+        default_weight_decay: float,
+        expert_parallel: bool = False,
+        tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+        main_params_dtype: torch.dtype = torch.float32,
+        param_remainders: bool = False,
+    ) -> None:
+        tp_rank = collectives.rank(tensor_parallel_group) if tensor_parallel_group is not None else 0
+        self.store = ShardStore(sources, rule, param_groups, default_lr=default_lr,
+                                default_weight_decay=default_weight_decay, expert_parallel=expert_parallel,
+                                tensor_parallel_rank=tp_rank, main_params_dtype=main_params_dtype,
+                                param_remainders=param_remainders)
+        self.backend = ops.resolve_backend(torch.empty(0, device=self.store.device))
+        self.launch_plans = self._build_launch_plans()
+        self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), self.store.device)
+        self._inv_scale: dict[int, torch.Tensor] = {}  # id(unscale factor) -> unscale / loss scale, per step
+
+    # ----------------------------------------------------------------- what the store holds
+    @property
+    def sources(self) -> list[GradSource]:
+        return self.store.sources
+
+    @property
+    def rule(self) -> UpdateRule:
+        return self.store.rule
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.store.param_groups
+
+    @property
+    def step(self) -> torch.Tensor:
+        """Updates applied so far (an int64 device tensor)."""
+        return self.store.step
+
+    @property
+    def is_expert_parallel(self) -> bool:
+        return self.store.is_expert_parallel
+
+    def _build_launch_plans(self) -> list[LaunchPlan]:
+        members: dict[tuple, list] = {}
+        for s in self.store.shards:
+            key = (id(s.shard.unscale_factor), s.shard.grad.dtype, None if s.param_out is None else s.param_out.dtype,
+                   s.shard.stats_role.counts, s.master.dtype)
+            members.setdefault(key, []).append(s)
+        names = list(self.rule.state_dtypes())
+        return [
+            LaunchPlan(ops.StepPlan(tuple(ops.ShardOperands(s.table, s.shard.grad, s.master,
+                                                            tuple(s.state[n] for n in names), s.param_out)
+                                          for s in group)),
+                       unscale_factor=group[0].shard.unscale_factor, counts_stats=group[0].shard.stats_role.counts)
+            for group in members.values()
+        ]
+
+    def stats_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
+        """The process groups the statistics, and every step decision, are summed over ([] on one rank;
+        [None] is the default group), as the shards' stats roles give them."""
+        for _, shard in self.store.published:
+            if shard.stats_role.groups:
+                return list(shard.stats_role.groups)
+        return []
+
+    # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
+    def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
+        """Pass 1 over every owned shard, one call per launch plan: stats += [non-finite, sum of squares, zeros]."""
+        self._inv_scale = {}
+        for lp in self.launch_plans:
+            if id(lp.unscale_factor) not in self._inv_scale:
+                self._inv_scale[id(lp.unscale_factor)] = lp.unscale_factor / loss_scale
+            if lp.counts_stats:
+                ops.grad_stats_planned(lp.step_plan, self._inv_scale[id(lp.unscale_factor)], stats[: ops.NUM_STATS],
+                                       count_zeros, backend=self.backend)
+
+    def stage_hyperparams(self) -> torch.Tensor:
+        """Copy the param_groups' lr and weight decay into the device table (only when one changed)."""
+        return self._hyperparams.update([g["lr"] for g in self.param_groups],
+                                        [g["weight_decay"] for g in self.param_groups])
+
+    def apply_update(self, clip_coef: Optional[torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None:
+        """Pass 2 over every owned shard with the current param_groups' lr and weight decay; the grads
+        are multiplied by this step's 1/loss scale, unscale factor and (if given) the fp32 device
+        ``clip_coef``. A device ``found_inf`` (a step decided on the device) writes nothing when set."""
+        ops.advance_step(self.step, found_inf, backend=self.backend)  # also on ranks that own nothing
+        if not self.launch_plans:
+            return
+        lr_wd = self.stage_hyperparams()
+        # Scale and clip are folded into one fp32 multiplier here, and only here (one rounding, the
+        # same on every backend); the ops take that one multiplier.
+        multipliers = {k: inv if clip_coef is None else inv * clip_coef for k, inv in self._inv_scale.items()}
+        for lp in self.launch_plans:
+            self.rule.apply(lp.step_plan, lr_wd=lr_wd, grad_scale=multipliers[id(lp.unscale_factor)], step=self.step,
+                            backend=self.backend, found_inf=found_inf)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        for source in self.sources:
+            if source.local_shards(self.is_expert_parallel):
+                source.start_param_sync(force_sync=force_sync, force_dispatch=True,
+                                        expert_parallel=self.is_expert_parallel)
+
+    def finish_param_sync(self) -> None:
+        for source in self.sources:
+            source.finish_param_sync()
+
+    def clear_model_grads(self, set_to_none: bool) -> None:
+        for _, p in self.store.managed_params().values():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    # ----------------------------------------------------------------- state access (checkpoints, torch.optim's API)
+    def piece_states(self) -> list[PieceState]:
+        return state_access.piece_states(self.store)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return state_access.state_tensors(self.store)
+
+    def per_param_state(self) -> dict[torch.Tensor, dict[str, Any]]:
+        return state_access.per_param_state(self.store)
+
+    def gather_main_params(self) -> dict[str, torch.Tensor]:
+        return state_access.gather_main_params(self.store)
+
+    def reload_model_params(self) -> None:
+        state_access.reload_model_params(self.store)
+
+    def sync_params_from_masters(self) -> None:
+        """Round the masters into the model params and all-gather them (after the masters were set)."""
+        state_access.round_masters_into_params(self.store)
+        self.start_param_sync(force_sync=True)
+        self.finish_param_sync()
+
+    # ----------------------------------------------------------------- the same-DP-only state dict
+    def fingerprint(self) -> dict:
+        return local_state_dict.fingerprint(self.store)
+
+    def state_dict(self) -> dict:
+        return local_state_dict.state_dict(self.store)
+
+    def check_loadable(self, state_dict: dict, fix: str) -> None:
+        local_state_dict.check_loadable(self.store, state_dict, fix)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        local_state_dict.load_state_dict(self.store, state_dict)
+
+
+__all__ = ["OptimizerLeaf", "LaunchPlan"]

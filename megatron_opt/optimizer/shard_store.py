@@ -1,0 +1,152 @@
+"""The optimizer's state for a set of published shards: masters, update-rule state and param groups.
+
+For each ``LocalShard`` (this rank's range of one bucket) that holds pieces, an ``OwnedShard``:
+  * ``master``: fp32. A detached fp32 clone for bf16/fp16 params; for fp32 params a detached view
+    of the param buffer, so the update lands in the model param with no copy. With
+    ``main_params_dtype=float16`` an fp16 copy, with ``param_remainders`` the int16 remainder of the
+    bf16 param (ops/precision.py);
+  * the update rule's state tensors (AdamW's moments, SGD's momentum, Lion's exp_avg), owned
+    elements only;
+  * a PieceTable: where each param piece lies, whether it counts in the norm, its param group;
+  * per piece, the view of the master that ``param_groups`` hold.
+Every tensor in ``param_groups`` is a leaf view of a master (docs/contract.md rule 6). The store
+allocates and describes; it runs nothing (the leaf steps it, state_access reads and writes it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from ..distributed.shard_view import GradSource, LocalShard
+from ..ops import precision
+from ..ops.piece_table import PieceTable
+from .update_rules import UpdateRule
+
+_PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce",
+                   "sequence_parallel", "grad_norm_group")
+
+
+@dataclass
+class OwnedShard:
+    """The optimizer's side of one LocalShard."""
+
+    shard: LocalShard
+    source: GradSource
+    table: PieceTable
+    master: torch.Tensor
+    param_out: Optional[torch.Tensor]  # None when master aliases the fp32 param buffer
+    state: dict[str, torch.Tensor]  # the update rule's tensors, by name
+    main_params: tuple[torch.Tensor, ...]  # per piece: the leaf view of master in param_groups
+
+
+class ShardStore:
+    """Masters, rule state and param groups for the dense (or expert-parallel) shards of some chunks."""
+
+    def __init__(
+        self,
+        sources: Sequence[GradSource],
+        rule: UpdateRule,
+        param_groups: Optional[list[dict]],
+        *,
+        default_lr: float,
+        default_weight_decay: float,
+        expert_parallel: bool = False,
+        tensor_parallel_rank: int = 0,
+        main_params_dtype: torch.dtype = torch.float32,
+        param_remainders: bool = False,
+    ) -> None:
+        self.sources = list(sources)
+        self.rule = rule
+        self.main_params_dtype = main_params_dtype
+        self.param_remainders = param_remainders
+        self.is_expert_parallel = expert_parallel
+        # Every published shard of the chunks, also those holding no piece on this rank.
+        self.published = [(src, s) for src in self.sources for s in src.local_shards(expert_parallel)]
+        self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
+        self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
+        self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
+        self.shards = self._build_shards(tensor_parallel_rank)
+
+    def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
+        """id(param) -> (name, param) for every param of the published shards."""
+        return {id(p): (s.names[i], p) for _, s in self.published for i, p in s.params.items()}
+
+    def _build_param_groups(self, groups: Optional[list[dict]], lr: float, weight_decay: float) -> list[dict]:
+        managed = self.managed_params()
+        if groups is None:
+            groups = [{"params": [p for _, p in managed.values()]}]
+        self._group_of: dict[int, int] = {}
+        out = []
+        for gi, group in enumerate(groups):
+            for p in group["params"]:
+                if id(p) not in managed:
+                    raise ValueError(
+                        f"param group {gi} holds a param (shape {tuple(p.shape)}) that is not in this optimizer's "
+                        f"buffers: it has requires_grad=False, belongs to no model chunk, or is "
+                        f"{'dense' if self.is_expert_parallel else 'expert-parallel'}."
+                    )
+                if id(p) in self._group_of:
+                    raise ValueError(f"a param (shape {tuple(p.shape)}) appears in param groups {self._group_of[id(p)]} and {gi}.")
+                self._group_of[id(p)] = gi
+            options = {k: v for k, v in group.items() if k != "params"}
+            options.setdefault("lr", lr)
+            options.setdefault("weight_decay", weight_decay * options.get("wd_mult", 1.0))
+            out.append({"params": [], **options})
+        missing = [name for pid, (name, _) in managed.items() if pid not in self._group_of]
+        if missing:
+            raise ValueError(f"params missing from every param group: {missing[:5]}; give every trainable param a group.")
+        return out
+
+    def _build_shards(self, tensor_parallel_rank: int) -> list[OwnedShard]:
+        shards = []
+        for source, shard in self.published:
+            if not shard.pieces:
+                continue
+            params = [shard.params[pc.param_index] for pc in shard.pieces]
+            table = PieceTable(
+                starts=tuple(pc.shard_range.start for pc in shard.pieces),
+                ends=tuple(pc.shard_range.end for pc in shard.pieces),
+                in_norm=tuple(shard.stats_role.counts_in_norm(p, tensor_parallel_rank) for p in params),
+                group=tuple(self._group_of[id(p)] for p in params),
+                numel=shard.numel,
+            )
+            master, param_out = self._new_master(shard.param)
+            # What param_groups hold: views of the master; with remainders (int16, not a value) views
+            # of the bf16 param shard, which is the master rounded.
+            main_source = shard.param.detach() if precision.is_remainder(master) else master
+            mains = []
+            for pc, p in zip(shard.pieces, params):
+                main = main_source[pc.shard_range.start : pc.shard_range.end]  # a leaf: no autograd history
+                for attr in _PARALLEL_ATTRS:
+                    if hasattr(p, attr):
+                        setattr(main, attr, getattr(p, attr))
+                p.main_param, p.main_param_sharded = main, True
+                self.param_groups[self._group_of[id(p)]]["params"].append(main)
+                mains.append(main)
+            shards.append(OwnedShard(shard, source, table, master, param_out, self.rule.init_state(master),
+                                     tuple(mains)))
+        owned = {id(s.shard.params[pc.param_index]) for s in shards for pc in s.shard.pieces}
+        for _, p in self.managed_params().values():
+            if id(p) not in owned:
+                p.main_param, p.main_param_sharded = None, True
+        return shards
+
+    def _new_master(self, param: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(master, param_out) for a param shard. fp32 params: the param itself (updates land in the
+        model). bf16 params with remainders: an int16 remainder, zero since the param is exactly the
+        master at first. Otherwise a copy in main_params_dtype (fp32, or fp16)."""
+        if param.dtype == torch.float32:
+            return param.detach(), None
+        if self.param_remainders and param.dtype == torch.bfloat16:
+            return torch.zeros(param.shape, dtype=torch.int16, device=param.device), param
+        return param.detach().to(self.main_params_dtype, copy=True), param
+
+
+def master_values(s: OwnedShard) -> torch.Tensor:
+    """A shard's masters as fp32 values (a view for fp32 masters, else a new tensor)."""
+    return precision.load_master(s.master, s.param_out)
+
+
+__all__ = ["OwnedShard", "ShardStore", "master_values"]

@@ -1,0 +1,117 @@
+"""Reading and writing a ShardStore's state from outside the step: checkpoints, torch.optim's
+per-param ``state``, Megatron-LM's ``reload_model_params``.
+
+Everything here works on views of the store's flat tensors, so a write lands in the state the next
+step uses. Param all-gathers are the caller's (the leaf's) business.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
+from ..ops import precision
+from .shard_store import ShardStore, master_values
+
+
+@dataclass(frozen=True)
+class PieceState:
+    """One owned param piece with its optimizer state: views over the piece's elements.
+
+    ``tensors['master']`` is the master's storage (fp32, fp16, or an int16 remainder of the bf16
+    param); ``values`` / ``write`` read and store masters as fp32 values whatever the storage, and
+    the update rule's state in its own dtype (``write`` converts)."""
+
+    source: GradSource
+    name: str
+    param: torch.nn.Parameter
+    param_start: int  # where the piece starts in the flattened param
+    tensors: dict[str, torch.Tensor]  # 'master' and the update rule's state, 1-D views
+    param_view: Optional[torch.Tensor] = None  # the piece of the model-dtype param shard (16-bit params)
+
+    def value_dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if name == "master" else self.tensors[name].dtype
+
+    def values(self, name: str) -> torch.Tensor:
+        if name == "master":
+            return precision.load_master(self.tensors[name], self.param_view)
+        return self.tensors[name]
+
+    def write(self, name: str, values: torch.Tensor) -> None:
+        target = self.tensors[name]
+        if name == "master" and target.dtype != torch.float32:
+            precision.store_master(values.to(device=target.device, dtype=torch.float32), target, self.param_view)
+        else:
+            target.copy_(values)
+
+
+def piece_states(store: ShardStore) -> list[PieceState]:
+    """This rank's owned param pieces, each with views of its master and update-rule state."""
+    out = []
+    for s in store.shards:
+        tensors = {"master": s.master, **s.state}
+        for pc in s.shard.pieces:
+            lo, hi = pc.shard_range.start, pc.shard_range.end
+            out.append(PieceState(s.source, s.shard.names[pc.param_index], s.shard.params[pc.param_index],
+                                  pc.param_range.start, {k: t[lo:hi] for k, t in tensors.items()},
+                                  None if s.param_out is None else s.param_out[lo:hi]))
+    return out
+
+
+def state_tensors(store: ShardStore) -> dict[str, torch.Tensor]:
+    """This rank's optimizer state (views, not copies): masters, rule state and the step counter."""
+    out = {"step": store.step}
+    for i, s in enumerate(store.shards):
+        out[f"shard{i}.master"] = s.master
+        for name, t in s.state.items():
+            out[f"shard{i}.{name}"] = t
+    return out
+
+
+def per_param_state(store: ShardStore) -> dict[torch.Tensor, dict[str, Any]]:
+    """Per main param: views of the flat optimizer state, as torch.optim exposes it."""
+    out = {}
+    for s in store.shards:
+        for main, start, end in zip(s.main_params, s.table.starts, s.table.ends):
+            entry: dict[str, Any] = {"step": store.step}
+            entry.update({name: t[start:end] for name, t in s.state.items()})
+            out[main] = entry
+    return out
+
+
+def gather_main_params(store: ShardStore) -> dict[str, torch.Tensor]:
+    """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
+    masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): master_values(s) for s in store.shards}
+
+    def master_of(src: GradSource, shard: LocalShard) -> torch.Tensor:
+        key = (id(src), shard.buffer_index, shard.bucket_index)
+        return masters.get(key, torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device))
+
+    out: dict[str, torch.Tensor] = {}
+    for src in store.sources:
+        out.update(assemble_full_tensors(src.local_shards(store.is_expert_parallel),
+                                         lambda shard, src=src: master_of(src, shard)))
+    return out
+
+
+def round_masters_into_params(store: ShardStore) -> None:
+    """Write the rounded masters into this rank's model-param shards (after the masters were set).
+    With remainders the param already is the master's high half."""
+    for s in store.shards:
+        if s.param_out is not None and not precision.is_remainder(s.master):
+            s.param_out.copy_(s.master)
+
+
+def reload_model_params(store: ShardStore) -> None:
+    """Re-copy the model params (e.g. after loading a model checkpoint) into the masters."""
+    for s in store.shards:
+        if precision.is_remainder(s.master):
+            s.master.zero_()  # the master is exactly the bf16 param
+        elif s.param_out is not None:
+            s.master.copy_(s.param_out)
+
+
+__all__ = ["PieceState", "piece_states", "state_tensors", "per_param_state", "gather_main_params",
+           "round_masters_into_params", "reload_model_params"]
