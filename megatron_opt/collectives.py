@@ -244,9 +244,9 @@ def agree_each_step(what: str, failure: Failure = None, groups: Sequence[Process
         n, crc = float(len(fingerprint)), float(zlib.crc32(repr(list(fingerprint)).encode()))
         flags += [n, -n, crc, -crc]
     group0 = groups[0] if groups else None
-    if all(world_size(g) == 1 for g in groups):
+    if all(world_size(g) == 1 for g in groups):  # no one to ask: this rank's own failure is the answer
         if failure is not None:
-            agree(what, failure, None, error_type=error_type, failure_note=failure_note)
+            agree(what, failure, group0, error_type=error_type, failure_note=failure_note)
         return
     seen = torch.tensor(flags, dtype=torch.float64, device=flag_device(group0))
     for group in groups:
@@ -258,9 +258,10 @@ def agree_each_step(what: str, failure: Failure = None, groups: Sequence[Process
         return
     agree(what, failure, group0, fingerprint=fingerprint, error_type=error_type, fix=fix, failure_note=failure_note)
     cause = failure if isinstance(failure, BaseException) else None
-    kind = "failed" if failed else "disagrees"
-    raise error_type(_with(f"{what}: a rank of another process group (a model-parallel peer) {kind}",
-                           failure_note if failed else fix)) from cause
+    if failed:
+        raise error_type(_with(f"{what} on a rank of another process group (a model-parallel peer)",
+                               failure_note)) from cause
+    raise error_type(_with(f"{what}: the ranks of another process group (model-parallel peers) disagree", fix))
 
 
 def raise_together(fn: Callable[[], T], group: ProcessGroup = None, what: str = "",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Protocol
 
+from .optimizer.param_groups import group_weight_decay
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 WD_INCR_STYLES = ("constant", "linear", "cosine")
@@ -185,7 +187,7 @@ class OptimizerParamScheduler:
         self.num_steps += increment
         for group in self.optimizer.param_groups:
             group["lr"] = self.get_lr(group)
-            group["weight_decay"] = self.get_wd(group) * group.get("wd_mult", 1.0)
+            group["weight_decay"] = group_weight_decay(self.get_wd(group), group)
 
     def state_dict(self) -> dict:
         """The schedule's checkpoint entries (same keys as megatron-core)."""

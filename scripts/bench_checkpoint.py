@@ -80,9 +80,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 import megatron_opt as mo
-from peak_memory import PeakMemory, setup_malloc  # scripts/peak_memory.py
 import megatron_opt.checkpoint as ckpt
+from bench_common import fmt_range, gloo_cpu_description, load_average, max_min_over_ranks  # scripts/bench_common.py
 from megatron_opt.checkpoint import directory
+from peak_memory import PeakMemory  # scripts/peak_memory.py
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -481,34 +482,6 @@ def run_one(impl: Impl, rec: Record, it: int, args) -> None:
     clear_dir(impl.root)
 
 
-def reduce_minmax(values: list[float]) -> tuple[list[float], list[float]]:
-    t = torch.tensor(values, dtype=torch.float64)
-    lo = -t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
-    return t.tolist(), (-lo).tolist()
-
-
-def device_description(load_at_start: Optional[float], load_at_end: Optional[float]) -> str:
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = ("" if load_at_start is None else
-            f", 1-min load average {load_at_start:.1f} at start, {load_at_end:.1f} at the end")
-    return f"{model}, {os.cpu_count()} cores, gloo, {torch.get_num_threads()} intra-op thread(s)/rank{load}"
-
-
-def fmt_range(hi: float, lo: float, digits: int = 1) -> str:
-    a, b = f"{lo:.{digits}f}", f"{hi:.{digits}f}"
-    return b if a == b else f"{a}–{b}"
-
-
 def main() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
@@ -528,11 +501,10 @@ def main() -> None:
     args = p.parse_args()
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    setup_malloc()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()
 
     base = [tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir) if rank == 0 else None]
     dist.broadcast_object_list(base, src=0)
@@ -580,7 +552,7 @@ def report(impls: list[Impl], records: dict[str, Record], args, numel: int, load
         vals += [peak.get(k, math.nan) for k in ("save", "load", "async_total")]
         sums = torch.tensor([float(rec.written), float(impl.opt_state_bytes())], dtype=torch.float64)
         dist.all_reduce(sums)
-        hi, lo = reduce_minmax(vals)
+        hi, lo = max_min_over_ranks(vals)
         rows.append((impl, rec, dict(zip(keys + ["written", "read", "opt", "model", "peak_save", "peak_load",
                                                 "peak_async"], zip(hi, lo))), sums.tolist()))
     if rank != 0:
@@ -590,8 +562,10 @@ def report(impls: list[Impl], records: dict[str, Record], args, numel: int, load
     print(f"### bench_checkpoint.py: DP={world}, {args.dtype}")
     print()
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
-    load_at_end = os.getloadavg()[0] if load_at_start is not None else None
-    print(f"- device: {device_description(load_at_start, load_at_end)}")
+    load_at_end = load_average()
+    loads = ("" if load_at_start is None else
+             f", 1-min load average {load_at_start:.1f} at start, {load_at_end:.1f} at the end")
+    print(f"- device: {gloo_cpu_description(loads)}")
     print(f"- torch {torch.__version__}, Python {platform.python_version()}, backend gloo")
     print(f"- command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} torchrun --standalone "
           f"--nproc_per_node={world} {' '.join(sys.argv)}`")
@@ -621,8 +595,8 @@ def report(impls: list[Impl], records: dict[str, Record], args, numel: int, load
     for impl, rec, v, sums in rows:
         whole_model = v["model"][0] * (world if impl.name == "fsdp2+dcp" else 1)
         share = (sums[1] + whole_model) / world
-        print(f"| {impl.name} | {fmt_range(v['written'][0] / MB, v['written'][1] / MB)} | {sums[0] / MB:.1f} "
-              f"| {fmt_range(v['opt'][0] / MB, v['opt'][1] / MB)} | {sums[1] / MB:.1f} | {whole_model / MB:.1f} "
+        print(f"| {impl.name} | {fmt_range(v['written'][0] / MB, v['written'][1] / MB, 1)} | {sums[0] / MB:.1f} "
+              f"| {fmt_range(v['opt'][0] / MB, v['opt'][1] / MB, 1)} | {sums[1] / MB:.1f} | {whole_model / MB:.1f} "
               f"| {share / MB:.1f} | {fmt_range(v['written'][0] / share, v['written'][1] / share, 2)} |")
     print()
     print("| implementation | load peak mem delta MiB/rank | one shard copy MiB/rank | load peak / shard copy "
@@ -630,9 +604,9 @@ def report(impls: list[Impl], records: dict[str, Record], args, numel: int, load
     print("|---|---:|---:|---:|---:|---:|")
     for impl, rec, v, _ in rows:
         pl, ps, pa, rd = v["peak_load"], v["peak_save"], v["peak_async"], v["read"]
-        pa_s = fmt_range(pa[0] / MiB, pa[1] / MiB) if impl.has_async else "n/a"
-        print(f"| {impl.name} | {fmt_range(pl[0] / MiB, pl[1] / MiB)} | {fmt_range(rd[0] / MiB, rd[1] / MiB)} "
-              f"| {fmt_range(pl[0] / rd[0], pl[1] / rd[1], 2)} | {fmt_range(ps[0] / MiB, ps[1] / MiB)} | {pa_s} |")
+        pa_s = fmt_range(pa[0] / MiB, pa[1] / MiB, 1) if impl.has_async else "n/a"
+        print(f"| {impl.name} | {fmt_range(pl[0] / MiB, pl[1] / MiB, 1)} | {fmt_range(rd[0] / MiB, rd[1] / MiB, 1)} "
+              f"| {fmt_range(pl[0] / rd[0], pl[1] / rd[1], 2)} | {fmt_range(ps[0] / MiB, ps[1] / MiB, 1)} | {pa_s} |")
     mo_row = next((r for r in rows if r[0].name == "megatron_opt"), None)
     if mo_row is not None:
         _, _, v, sums = mo_row

@@ -32,6 +32,8 @@ from typing import Callable, Optional
 
 import torch
 
+from bench_common import copy_bandwidth, time_calls  # scripts/bench_common.py
+
 
 @dataclass(frozen=True)
 class Config:
@@ -82,29 +84,9 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def time_ms(fn: Callable[[], None], warmup: int, iters: int) -> float:
-    """Median wall time of fn on the current stream, in ms, from CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def copy_bandwidth(n: int, warmup: int, iters: int) -> float:
-    """Device-to-device copy bandwidth in GB/s (read + write)."""
-    src = torch.empty(n, dtype=torch.float32, device=DEVICE).uniform_()
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup, iters)
-    del src, dst
-    return 2 * 4 * n / (ms * 1e-3) / 1e9
+def time_ms(fn: Callable[[], object], warmup: int, iters: int) -> float:
+    """Median time of fn on the GPU, in ms, from CUDA events."""
+    return statistics.median(time_calls(fn, torch.device(DEVICE), warmup, iters))
 
 
 def make_table(n: int, num_tensors: int):
@@ -269,7 +251,7 @@ def main(argv=None) -> int:
         if 8 * n > 0.9 * free:
             print(f"skip n=2^{n.bit_length() - 1}: the copy benchmark alone does not fit", file=sys.stderr)
             continue
-        copy_gbs = copy_bandwidth(n, args.warmup, args.iters)
+        copy_gbs = copy_bandwidth(n, torch.device(DEVICE), args.warmup, args.iters)
         for cfg in configs:
             r = bench_config(cfg, n, args.num_tensors, args.warmup, args.iters, copy_gbs)
             torch.cuda.empty_cache()

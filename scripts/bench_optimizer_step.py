@@ -99,15 +99,14 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from bench_step import MO_STATES  # scripts/bench_step.py (the script's folder is on sys.path)
+from bench_common import MO_STATES, copy_bandwidth, no_decay, time_calls, weight_decay_groups  # scripts/bench_common.py
 
 FLOOR_BYTES = 34  # per element: pass 1 reads g (4); pass 2 reads g, w, m, v (16), writes w, m, v (12), bf16 p (2)
 MEGATRON_BYTES = 46  # norm 4 + clip 8 + AdamW 28 + fp32 -> bf16 copy 6 (+8 for the unscale pass)
@@ -123,8 +122,8 @@ TOL_MASTER, TOL_UPDATE, TOL_NORM, TOL_BF16_MISMATCH = 1e-5, 1e-4, 1e-5, 1e-3
 # round each stored moment by <= 2^-9 relative; see the docstring); norms and bf16 params as above.
 TOL_STATE_UPDATE = 1e-2
 
-# --mo-states: ours' optimizer-state options, shared with scripts/bench_step.py (same names and
-# OptimizerConfig fields): MO_STATES is imported from it above.
+# --mo-states: ours' optimizer-state options, the same names and OptimizerConfig fields as
+# scripts/bench_step.py's (MO_STATES, from bench_common).
 STATE_LABELS = {"fp32": "fp32 state", "bf16": "bf16 m,v", "bf16+rem": "bf16 m,v + remainders"}
 # Byte floor per owned element (bf16 params, fp32 main grads): pass 1 reads g (4), then pass 2 (docstring):
 STATE_FLOOR_BYTES = {
@@ -178,11 +177,6 @@ class Stack(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             torch.nn.Linear(spec.cols, spec.rows, bias=i < spec.biases, **kw) for i in range(spec.weights))
         self.norms = torch.nn.ModuleList(torch.nn.RMSNorm(spec.cols, **kw) for _ in range(spec.norms))
-
-
-def no_decay(name: str, shape: tuple[int, ...]) -> bool:
-    """megatron_opt's (and Megatron-LM's) default: no weight decay on biases and 1-D params."""
-    return name.endswith(".bias") or len(shape) == 1
 
 
 class Data:
@@ -342,11 +336,9 @@ class TorchFused:
         self.grad_flat = data.grad.clone()
         for p, g in zip(self.params, data.views(self.grad_flat)):
             p.grad = g
-        decay = [p for p, (name, shape) in zip(self.params, data.shapes) if not no_decay(name, shape)]
-        nodecay = [p for p, (name, shape) in zip(self.params, data.shapes) if no_decay(name, shape)]
-        groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": nodecay, "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.lr, betas=(args.beta1, args.beta2),
-                                     eps=args.eps, weight_decay=args.weight_decay, fused=True)
+        groups = weight_decay_groups(((name, p) for p, (name, _) in zip(self.params, data.shapes)), args.weight_decay)
+        self.opt = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                                     weight_decay=args.weight_decay, fused=True)
 
     def set_grads(self, flat: Optional[torch.Tensor] = None, source: Optional[Data] = None) -> None:
         self.grad_flat.copy_(flat if flat is not None else source.grad)
@@ -360,43 +352,7 @@ class TorchFused:
         return [p.detach() for p in self.params]
 
 
-# ---------------------------------------------------------------------------------------------- timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_calls(prepare: Callable[[], None], fn: Callable[[], object], device: torch.device, warmup: int,
-               iters: int) -> list[float]:
-    """ms per call of fn, one list entry per timed call; prepare() runs before each call, untimed."""
-    times = []
-    for i in range(warmup + iters):
-        prepare()
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if i >= warmup:
-            times.append(ms)
-    return times
-
-
-def copy_bandwidth(numel: int, device: torch.device, warmup: int, iters: int) -> tuple[float, int]:
-    """Device-to-device (or host memory) copy bandwidth in GB/s, read + write bytes counted."""
-    src = torch.empty(numel, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = statistics.median(time_calls(lambda: None, lambda: dst.copy_(src), device, warmup, max(iters, 5)))
-    return 2 * 4 * numel / (ms * 1e-3) / 1e9, numel
-
-
+# ---------------------------------------------------------------------------------------------- memory
 def free_memory(device: torch.device, collect: bool = False) -> None:
     """Release what the last implementation held (gc: DDP's hooks hold reference cycles) before the next
     allocates; on CPU only when asked (one gc pass per size: collecting is slow after torch's imports)."""
@@ -500,7 +456,7 @@ def check_state(state: str, data: Data, args, device: torch.device, grads: list[
 
 # ---------------------------------------------------------------------------------------------- driver
 def time_peer(impl, data: Data, args, device: torch.device) -> list[float]:
-    return time_calls(lambda: impl.set_grads(source=data), impl.step, device, args.warmup, args.iters)
+    return time_calls(impl.step, device, args.warmup, args.iters, prepare=lambda: impl.set_grads(source=data))
 
 
 def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optional[dict]:
@@ -518,7 +474,7 @@ def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optio
         ok, why = fits(8 * copy_numel, device)
         if not ok:
             copy_numel = n
-        copy_cache[copy_numel] = copy_bandwidth(copy_numel, device, args.warmup, args.iters)
+        copy_cache[copy_numel] = (copy_bandwidth(copy_numel, device, args.warmup, max(args.iters, 5)), copy_numel)
     copy_gbs, copy_n = copy_cache[copy_numel]
     data = Data(spec, device, args.seed + log2)
     row = {"log2_size": log2, "n": n, "num_params": len(data.shapes),
@@ -548,7 +504,7 @@ def bench_size(log2: int, args, device: torch.device, copy_cache: dict) -> Optio
                 continue
             if state == "fp32" and not graph:
                 row["ours_backend"] = ours.backend()
-            times = time_calls(ours.set_grads, ours.step, device, args.warmup, args.iters)
+            times = time_calls(ours.step, device, args.warmup, args.iters, prepare=ours.set_grads)
             if graph and not bool(ours.opt.skipped_steps == 0):
                 raise RuntimeError(f"optimizer_cuda_graph skipped a step ({state} state)")
             del ours

@@ -70,7 +70,9 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import megatron_opt as mo
-from peak_memory import PeakMemory, setup_malloc  # scripts/peak_memory.py
+from bench_common import (MO_STATES, fmt_range, gloo_cpu_description, load_average, max_min_over_ranks, sync,
+                          weight_decay_groups)  # scripts/bench_common.py
+from peak_memory import PeakMemory  # scripts/peak_memory.py
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -106,17 +108,6 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).square().sum(-1).mean()
 
 
-def no_decay(name: str, p: torch.nn.Parameter) -> bool:
-    """Megatron's default: no weight decay on biases and 1-D params (get_param_groups)."""
-    return name.endswith(".bias") or p.ndim == 1
-
-
-def torch_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    decay = [p for n, p in model.named_parameters() if not no_decay(n, p)]
-    nodecay = [p for n, p in model.named_parameters() if no_decay(n, p)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": nodecay, "weight_decay": 0.0}]
-
-
 # ---------------------------------------------------------------------------------------------- memory
 def distinct_storage_bytes(tensors) -> int:
     """Sum of the sizes of the distinct storages behind ``tensors`` (DTensors count their local shard)."""
@@ -146,14 +137,6 @@ class Variant:
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
 
 
-# --mo-states: megatron_opt's optimizer-state options (Megatron-LM's precision-aware optimizer fields).
-MO_STATES = {
-    "fp32": dict(),
-    "bf16": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                 store_param_remainders=False),
-    "bf16+rem": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
-                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
-}
 MO_STATE_LABELS = {"fp32": "", "bf16": " [bf16 m,v]", "bf16+rem": " [bf16 m,v + remainders]"}
 
 
@@ -220,7 +203,7 @@ class DdpZero(Variant):
         self.ddp = TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             gradient_as_bucket_view=True)
         self.opt = ZeroRedundancyOptimizer(
-            torch_param_groups(model, args.weight_decay), optimizer_class=torch.optim.AdamW,
+            weight_decay_groups(model.named_parameters(), args.weight_decay), optimizer_class=torch.optim.AdamW,
             lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps, weight_decay=args.weight_decay,
             **adamw_impl_kwargs(args),
         )
@@ -274,7 +257,7 @@ class Fsdp2(Variant):
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         self.model = model
-        self.opt = torch.optim.AdamW(torch_param_groups(model, args.weight_decay), lr=args.lr,
+        self.opt = torch.optim.AdamW(weight_decay_groups(model.named_parameters(), args.weight_decay), lr=args.lr,
                                      betas=(args.beta1, args.beta2), eps=args.eps,
                                      weight_decay=args.weight_decay, **adamw_impl_kwargs(args))
         self.clip = args.clip_grad
@@ -325,11 +308,6 @@ PHASES = (  # the record_function ranges opt.step() runs, in order, and what eac
     ("megatron_opt.pass2", "pass 2 (clip + AdamW)"),
     ("megatron_opt.param_sync", "param sync (all-gather)"),
 )
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def as_float(x) -> float:
@@ -448,15 +426,6 @@ def run_all(makers, init_state: dict, batches, eval_batch, profile_batches, args
     return results
 
 
-def gather_max(values: list[float], device: torch.device) -> tuple[list[float], list[float]]:
-    """(max over ranks, min over ranks) of each value."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    lo = -t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
-    return t.tolist(), (-lo).tolist()
-
-
 def rel_diff(a: dict, b: dict) -> float:
     """max over parameter tensors of ||a - b|| / ||b||."""
     return max(float((a[n].double() - b[n].double()).norm() / b[n].double().norm().clamp_min(1e-30)) for n in b)
@@ -472,17 +441,7 @@ def update_rel_diff(a: dict, b: dict, init: dict) -> float:
 def device_description(device: torch.device, load_at_start: Optional[float]) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)} x{dist.get_world_size()} (NCCL)"
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = "" if load_at_start is None else f", 1-min load average {load_at_start:.1f} at start"
-    return f"{model}, {os.cpu_count()} cores, gloo, {torch.get_num_threads()} intra-op thread(s)/rank{load}"
+    return gloo_cpu_description("" if load_at_start is None else f", 1-min load average {load_at_start:.1f} at start")
 
 
 def expected_bytes_per_param(name: str, dtype: str, d: int) -> str:
@@ -497,11 +456,6 @@ def expected_bytes_per_param(name: str, dtype: str, d: int) -> str:
     if name == "ddp+zero":  # fp32 params (autocast under bf16), grads as DDP bucket views, m+v sharded
         return f"8+8/d = {8 + 8 / d:.2f}"
     return f"16/d = {16 / d:.2f}"  # FSDP2: fp32 sharded params, grads and m+v (bf16 copies are transient)
-
-
-def fmt_range(hi: float, lo: float, digits: int = 2) -> str:
-    a, b = f"{lo:.{digits}f}", f"{hi:.{digits}f}"
-    return b if a == b else f"{a}–{b}"
 
 
 def main() -> None:
@@ -553,12 +507,11 @@ def main() -> None:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        setup_malloc()
     if args.tokens is None:
         args.tokens = 16 if (args.dtype == "bf16" and device.type == "cpu") else 256
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    load_at_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    load_at_start = load_average()
 
     torch.manual_seed(args.seed)
     init_model = Net(args.hidden, args.layers)
@@ -597,8 +550,8 @@ def main() -> None:
     ref = results["ddp+zero"]
     rows = []
     for name, r in results.items():
-        hi, lo = gather_max([r["fb"], r["step"], r["iter"], r["state_bytes"], r["peak_delta"]], device)
-        phases = gather_max(r["phases"], device)[0] if r["phases"] else None
+        hi, lo = max_min_over_ranks([r["fb"], r["step"], r["iter"], r["state_bytes"], r["peak_delta"]], device)
+        phases = max_min_over_ranks(r["phases"], device)[0] if r["phases"] else None
         rows.append((name, r, hi, lo, phases))
 
     def loss_diff(a: dict, b: dict) -> float:
@@ -627,7 +580,7 @@ def main() -> None:
         for name, r, hi, lo, _ in rows:
             peak_note = "" if r["peak_reset_ok"] else " (peak not reset)"
             print(f"| {name} | {hi[0] * 1e3:.1f} | {hi[1] * 1e3:.2f} | {hi[2] * 1e3:.1f} "
-                  f"| {fmt_range(hi[3] / 2**20, lo[3] / 2**20)} | {fmt_range(hi[3] / numel, lo[3] / numel)} "
+                  f"| {fmt_range(hi[3] / 2**20, lo[3] / 2**20, 2)} | {fmt_range(hi[3] / numel, lo[3] / numel, 2)} "
                   f"| {expected_bytes_per_param(name, args.dtype, world)} "
                   f"| {fmt_range(hi[4] / 2**20, lo[4] / 2**20, 1)}{peak_note} "
                   f"| {rel_diff(r['params'], ref['params']):.2e} |")

@@ -13,26 +13,12 @@ from typing import Optional
 
 import torch
 
-_libc: Optional[ctypes.CDLL] = None
 
-
-def setup_malloc() -> None:
-    """CPU only: load libc so that malloc_trim can hand freed heap pages back to the OS before each
-    section, making its RSS baseline the live memory. (A fixed mmap threshold would do this more
-    reliably but makes every large temporary a fresh mmap and page faults, which distorts times.)"""
-    global _libc
+def _load_libc() -> Optional[ctypes.CDLL]:
     try:
-        _libc = ctypes.CDLL("libc.so.6")
+        return ctypes.CDLL("libc.so.6")
     except OSError:
-        _libc = None
-
-
-def malloc_trim() -> None:
-    if _libc is not None:
-        try:
-            _libc.malloc_trim(0)
-        except AttributeError:
-            pass
+        return None
 
 
 def rss_bytes() -> int:
@@ -47,6 +33,17 @@ class PeakMemory:
     def __init__(self, device: torch.device = torch.device("cpu")) -> None:
         self.device = device
         self.cpu_peak_reset_ok = False
+        # CPU: malloc_trim hands freed heap pages back to the OS before each section, so that its RSS
+        # baseline is the live memory. (A fixed mmap threshold would do this more reliably but makes
+        # every large temporary a fresh mmap and page faults, which distorts times.)
+        self.libc = _load_libc() if device.type == "cpu" else None
+
+    def malloc_trim(self) -> None:
+        if self.libc is not None:
+            try:
+                self.libc.malloc_trim(0)
+            except AttributeError:
+                pass
 
     def start(self) -> None:
         gc.collect()
@@ -56,7 +53,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
             return
-        malloc_trim()
+        self.malloc_trim()
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak RSS (VmHWM) to the current RSS

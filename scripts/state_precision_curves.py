@@ -16,10 +16,11 @@ import datetime
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
+
+from bench_common import cpu_model  # scripts/bench_common.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {
@@ -61,7 +62,7 @@ def main() -> None:
     cmd = " ".join([os.path.basename(sys.executable), *sys.argv])
     print(f"\n### state_precision_curves.py: {args.steps} iterations, DP={args.nproc}, bf16 model\n")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
-    print(f"- device: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, gloo")
+    print(f"- device: {cpu_model()}, {os.cpu_count()} cores, gloo")
     print(f"- command: `{cmd}`\n")
     print("| optimizer state | first loss | final loss (mean of last %d) | skipped |" % args.tail)
     print("|---|---:|---:|---:|")

@@ -1,12 +1,19 @@
 """megatron_opt.checkpoint: parallel, atomic, resharding checkpoints on torch.distributed.checkpoint.
 
-    save(path, model, optimizer, scheduler, iteration=..., async_save=...)   every rank
-    load(path, model, optimizer, scheduler) -> RunState                      every rank, any DP size
-    export(path, out)  /  python -m megatron_opt.checkpoint export CKPT OUT  one process
+    checkpointer = Checkpointer()                                   every rank, once
+    checkpointer.save(path, model, optimizer, scheduler, iteration=..., async_save=...)
+    checkpointer.check_pending_save()                               once per step after an async save
+    checkpointer.load(path, model, optimizer, scheduler) -> LoadResult   any DP size
+    save / load / check_pending_save(model) / wait_for_pending_save(model): the same through the
+        Checkpointer kept on the model (default_checkpointer)
+    export(path, out)  /  python -m megatron_opt.checkpoint export CKPT OUT   one process
 """
-from .api import (RunState, check_pending_save, latest_iteration, load, resolve, save, verify_files,
-                  wait_for_pending_save)
+from .checkpointer import (Checkpointer, LoadResult, check_pending_save, default_checkpointer, load, save,
+                           wait_for_pending_save)
+from .directory import latest_iteration, resolve
 from .export import export, read_model_state, read_tensors
+from .validation import verify_files
 
-__all__ = ["RunState", "save", "load", "check_pending_save", "wait_for_pending_save", "latest_iteration", "resolve",
-           "verify_files", "export", "read_model_state", "read_tensors"]
+__all__ = ["Checkpointer", "LoadResult", "default_checkpointer", "save", "load", "check_pending_save",
+           "wait_for_pending_save", "latest_iteration", "resolve", "verify_files", "export", "read_model_state",
+           "read_tensors"]

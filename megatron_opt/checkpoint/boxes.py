@@ -33,40 +33,35 @@ def flat_range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]
         return []
     if not shape:  # a scalar: one element
         return [Box((), (), 0)]
-    return _boxes(shape, start, end, ())
+    return _boxes(shape, start, end)
 
 
-def _boxes(shape: tuple[int, ...], start: int, end: int, prefix: tuple[int, ...]) -> list[Box]:
-    base = _flat_of(prefix, shape)
+def _boxes(shape: tuple[int, ...], start: int, end: int) -> list[Box]:
+    """Boxes of flat elements [start, end) of a tensor of ``shape`` (a row of the caller's, which
+    prefixes the row index to the offsets and adds the row's start to the flat starts)."""
     if len(shape) == 1:
-        return [Box(prefix + (start,), (1,) * 0 + (end - start,), base + start)] if end > start else []
+        return [Box((start,), (end - start,), start)] if end > start else []
     inner = math.prod(shape[1:])
     first_full, last_full = -(-start // inner), end // inner  # rows [first_full, last_full) are whole
     if first_full > last_full:  # inside one row
         row = start // inner
-        return _sub_row(shape, row, start - row * inner, end - row * inner, prefix)
+        return _sub_row(shape, row, start - row * inner, end - row * inner)
     out = []
     if start < first_full * inner:
         row = start // inner
-        out += _sub_row(shape, row, start - row * inner, inner, prefix)
+        out += _sub_row(shape, row, start - row * inner, inner)
     if last_full > first_full:
-        out.append(Box(prefix + (first_full,) + (0,) * (len(shape) - 1),
-                       (last_full - first_full,) + shape[1:], base + first_full * inner))
+        out.append(Box((first_full,) + (0,) * (len(shape) - 1),
+                       (last_full - first_full,) + shape[1:], first_full * inner))
     if end > last_full * inner:
-        out += _sub_row(shape, last_full, 0, end - last_full * inner, prefix)
+        out += _sub_row(shape, last_full, 0, end - last_full * inner)
     return out
 
 
-def _sub_row(shape: tuple[int, ...], row: int, lo: int, hi: int, prefix: tuple[int, ...]) -> list[Box]:
+def _sub_row(shape: tuple[int, ...], row: int, lo: int, hi: int) -> list[Box]:
     """Elements [lo, hi) of one row (a tensor of shape[1:]), with that row's index fixed."""
-    inner_boxes = _boxes(shape[1:], lo, hi, ())
-    base = _flat_of(prefix, shape) + row * math.prod(shape[1:])
-    return [Box(prefix + (row,) + b.offsets, (1,) + b.sizes, base + b.flat_start) for b in inner_boxes]
-
-
-def _flat_of(prefix: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    # Boxes are built with an empty prefix at the top level; nested calls fold the prefix into base.
-    return 0
+    base = row * math.prod(shape[1:])
+    return [Box((row,) + b.offsets, (1,) + b.sizes, base + b.flat_start) for b in _boxes(shape[1:], lo, hi)]
 
 
 __all__ = ["Box", "flat_range_to_boxes"]

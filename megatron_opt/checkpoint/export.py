@@ -10,8 +10,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from . import directory
-from .api import resolve, verify_files
+from .dcp_errors import dcp_failures
 from .dcp_items import ModelSpaceLoadPlanner, saved_tensor_shapes
+from .validation import verify_files
+
 
 def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optional[int] = None) -> dict[str, torch.Tensor]:
     """{param name: full tensor} from a checkpoint, in one process, with no process group.
@@ -19,7 +21,7 @@ def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optiona
     ``what``: "model" (the params in their dtype), or an optimizer state name ("master" for the fp32
     master weights, "exp_avg", "exp_avg_sq", ...), reassembled from every rank's part.
     """
-    folder = resolve(path, iteration)
+    folder = directory.resolve(path, iteration)
     manifest = directory.read_manifest(folder)
     verify_files(folder, manifest)
     reader = dcp.FileSystemReader(str(folder))
@@ -32,7 +34,7 @@ def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optiona
             raise KeyError(f"{folder} holds no {prefix + key} (saved without an optimizer, or no such state)")
         saved_dtype = metadata.state_dict_metadata[prefix + key].properties.dtype
         state[prefix + key] = torch.empty(shape, dtype=saved_dtype)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), dcp_failures(f"reading {folder}"):
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, planner=ModelSpaceLoadPlanner(), no_dist=True)
     return {k[len(prefix):]: v for k, v in state.items()}

@@ -9,27 +9,25 @@ Keys of the DCP state dict:
     scheduler, run                the LR schedule; iteration, consumed samples, user extras
     rank/<rank>                   each rank's RNG state and its own extras (e.g. its data position)
 With several model chunks (virtual pipeline stages) a param is named ``chunk<c>.<name>``.
+
+The optimizer is read and written only through its declared state view
+(optimizer/state_view.py), the same view its in-memory state_dict() uses.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from .. import collectives
 from ..distributed.shard_view import GradSource
+from ..errors import CheckpointError
+from ..optimizer.state_view import (OptimizerStateView, first_nonfinite, model_fingerprint, optimizer_fingerprint,
+                                    owned_slices, param_entries, state_names, state_names_of)
 from .dcp_items import ParamChunk
 
 FORMAT = "megatron_opt.checkpoint/1"
-
-
-@dataclass(frozen=True)
-class ParamEntry:
-    chunk: int
-    name: str
-    key: str  # the name inside the checkpoint
-    param: torch.nn.Parameter
 
 
 def as_chunks(model: Union[GradSource, Sequence[GradSource]]) -> list[GradSource]:
@@ -41,51 +39,36 @@ def as_chunks(model: Union[GradSource, Sequence[GradSource]]) -> list[GradSource
     return chunks
 
 
-def param_entries(chunks: Sequence[GradSource]) -> list[ParamEntry]:
-    """Every trainable param of every chunk, in buffer order (the same on every rank)."""
-    out = []
-    for c, chunk in enumerate(chunks):
-        for shard in chunk.local_shards():
-            for i in sorted(shard.params):
-                name = shard.names[i]
-                key = name if len(chunks) == 1 else f"chunk{c}.{name}"
-                out.append(ParamEntry(c, name, key, shard.params[i]))
-    return out
+def check_optimizer(chunks: Sequence[GradSource], optimizer: Any) -> OptimizerStateView:
+    """``optimizer`` offers the state view, over exactly these model chunks, with data parallelism only."""
+    if not isinstance(optimizer, OptimizerStateView):
+        raise TypeError(f"megatron_opt.checkpoint needs a megatron_opt optimizer (DistributedOptimizer or "
+                        f"ChainedOptimizer), got {type(optimizer).__name__}.")
+    mine = optimizer.model_chunks
+    if len(mine) != len(chunks) or any(a is not b for a, b in zip(mine, chunks)):
+        raise CheckpointError(f"the optimizer was built over {len(mine)} model chunk(s) that are not the {len(chunks)} "
+                              f"given to megatron_opt.checkpoint: pass the same chunks, in the same order.")
+    if any(leaf.model_parallel for leaf in optimizer.state_leaves()):
+        raise CheckpointError("megatron_opt.checkpoint describes data-parallel sharding only; an optimizer with a "
+                              "model_parallel_group (tensor/pipeline parallelism) cannot be saved with it yet.")
+    return optimizer
 
 
-def state_names(optimizer: Any) -> list[str]:
-    """'master' and the update rule's state tensors, in a fixed order."""
-    names = ["master"]
-    for rule in {type(r).__name__: r for r in _rules(optimizer)}.values():
-        names += [n for n in rule.state_dtypes() if n not in names]
-    return names
+def data_parallel_size(chunks: Sequence[GradSource]) -> int:
+    """The size of the chunks' data-parallel group (the dense params'; the expert params' without any)."""
+    shards = [s for c in chunks for s in c.local_shards(False)] or [s for c in chunks for s in c.local_shards()]
+    if not shards:
+        return collectives.world_size(None)
+    shard = shards[0]
+    return collectives.world_size(shard.data_parallel_group if shard.data_parallel_group is not None else shard.group)
 
 
-def state_names_of(optimizer: Any, param: torch.nn.Parameter) -> list[str]:
-    """'master' and the state of the rule that updates ``param`` (dense or expert-parallel child)."""
-    expert = not getattr(param, "allreduce", True)
-    for child in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(child, "is_expert_parallel", False) == expert:
-            return ["master"] + list(child.update_rule.state_dtypes())
-    return state_names(optimizer)
-
-
-def _rules(optimizer: Any) -> list:
-    children = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [child.update_rule for child in children]
-
-
-def fingerprint(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> dict[str, Any]:
+def fingerprint(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]) -> dict[str, Any]:
     """What must match for a load: param names, shapes, dtypes; the optimizer's rules and state."""
-    out: dict[str, Any] = {"params": [[e.key, list(e.param.shape), str(e.param.dtype)] for e in param_entries(chunks)]}
+    out: dict[str, Any] = {"params": model_fingerprint(chunks)}
     if optimizer is not None:
-        out["optimizer"] = {"rules": [r.name for r in _rules(optimizer)], "state": state_names(optimizer)}
+        out["optimizer"] = optimizer_fingerprint(optimizer)
     return out
-
-
-def _pieces_by_param(optimizer: Any, chunks: Sequence[GradSource]) -> dict[tuple[int, str], Any]:
-    index = {id(chunk): c for c, chunk in enumerate(chunks)}
-    return {(index[id(ps.source)], ps.name): ps for ps in optimizer.piece_states()}
 
 
 def _model_pieces(chunks: Sequence[GradSource]) -> dict[tuple[int, str], tuple[torch.Tensor, int]]:
@@ -99,7 +82,7 @@ def _model_pieces(chunks: Sequence[GradSource]) -> dict[tuple[int, str], tuple[t
     return out
 
 
-class _Staging:
+class Staging:
     """Reused copy buffers for background saves: the blocking copy then lands in memory that is
     already mapped (fresh allocations would page-fault on every save)."""
 
@@ -113,17 +96,15 @@ class _Staging:
         return buf.copy_(t)
 
 
-_staging = _Staging()
-
-
 def rank_key() -> str:
     return f"rank/{collectives.rank(None)}"
 
 
-def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
-                     run: dict[str, Any], rank_state: dict[str, Any], snapshot: bool) -> dict[str, Any]:
-    """The DCP state dict to save. ``snapshot`` copies every tensor (for a save in the background)."""
-    own = (lambda key, t: _staging.copy(key, t.detach())) if snapshot else (lambda key, t: t.detach())
+def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView], scheduler: Optional[Any],
+                     run: dict[str, Any], rank_state: dict[str, Any], staging: Optional[Staging]) -> dict[str, Any]:
+    """The DCP state dict to save. With ``staging`` every tensor is copied (for a save in the background)."""
+    own: Callable[[str, torch.Tensor], torch.Tensor] = \
+        (lambda key, t: staging.copy(key, t.detach())) if staging is not None else (lambda key, t: t.detach())
     entries = param_entries(chunks)
     model_pieces = _model_pieces(chunks)
     sd: dict[str, Any] = {}
@@ -131,15 +112,17 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Any], sch
         view, start = model_pieces.get((e.chunk, e.name), (torch.empty(0, dtype=e.param.dtype), 0))
         sd[f"model/{e.key}"] = ParamChunk(own(f"model/{e.key}", view), e.param.shape, start)
     if optimizer is not None:
-        pieces = _pieces_by_param(optimizer, chunks)
-        for st in state_names(optimizer):
+        leaves = optimizer.state_leaves()
+        owned = {(s.state, s.key): s for s in owned_slices(optimizer)}
+        for name in state_names(optimizer):
             for e in entries:
-                if st not in state_names_of(optimizer, e.param):
+                if name not in state_names_of(leaves, e):
                     continue
-                ps = pieces.get((e.chunk, e.name))
-                key = f"optim/{st}/{e.key}"
-                flat = own(key, ps.values(st)) if ps is not None else torch.empty(0, device=e.param.device)
-                sd[key] = ParamChunk(flat, e.param.shape, ps.param_start if ps is not None else 0)
+                # Every rank writes every key (an empty chunk where it owns nothing), as DCP expects.
+                s = owned.get((name, e.key))
+                key = f"optim/{name}/{e.key}"
+                flat = own(key, s.values()) if s is not None else torch.empty(0, device=e.param.device)
+                sd[key] = ParamChunk(flat, e.param.shape, s.start if s is not None else 0)
         sd["optim/scalars"] = optimizer.scalar_state()
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
@@ -158,37 +141,29 @@ class _Owned:
     device: torch.device
     shape: torch.Size
     start: int
-    write: Any  # callable(values): stores the values into the live model / optimizer
+    write: Callable[[torch.Tensor], Any]  # stores the values into the live model / optimizer
 
 
-def _owned(chunks: Sequence[GradSource], optimizer: Optional[Any]) -> list[_Owned]:
+def _owned(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]) -> list[_Owned]:
     """Every piece this rank owns: the model params' pieces without an optimizer (a model-only load),
     else the optimizer state's, since the params are then the rounded masters (what was saved as the
     model too). Masters are read as fp32 values and stored in whatever form the optimizer keeps them
     (fp32, fp16, bf16 param + remainder); 16-bit moments are read in their dtype (DCP converts)."""
-    entries = param_entries(chunks)
     if optimizer is None:
         model_pieces = _model_pieces(chunks)
         out = []
-        for e in entries:
+        for e in param_entries(chunks):
             if (e.chunk, e.name) in model_pieces:
                 view, start = model_pieces[(e.chunk, e.name)]
                 out.append(_Owned(f"model/{e.key}", view.dtype, view.numel(), view.device, e.param.shape, start,
                                   view.copy_))
         return out
-    pieces = _pieces_by_param(optimizer, chunks)
-    out = []
-    for e in entries:
-        ps = pieces.get((e.chunk, e.name))
-        if ps is not None:
-            for st, t in ps.tensors.items():
-                out.append(_Owned(f"optim/{st}/{e.key}", ps.value_dtype(st), t.numel(), t.device, e.param.shape,
-                                  ps.param_start, lambda values, ps=ps, st=st: ps.write(st, values)))
-    return out
+    return [_Owned(f"optim/{s.state}/{s.key}", s.dtype, s.numel, s.device, s.shape, s.start, s.write)
+            for s in owned_slices(optimizer)]
 
 
-def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any], scheduler: Optional[Any],
-                           load_rank_state: bool) -> dict[str, Any]:
+def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
+                           scheduler: Optional[Any], load_rank_state: bool) -> dict[str, Any]:
     """Fresh tensors for everything a load reads (one copy of the rank's state): nothing live is
     written until all is read and checked."""
     owned = _owned(chunks, optimizer)
@@ -215,23 +190,13 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Any
     return dest
 
 
-# isfinite() makes about 7 bytes of temporaries per element (abs, ==, !=, *): check in small slices,
-# so the temporaries reuse the same few hundred KiB instead of raising the load's peak.
-_FINITE_CHECK_SLICE = 1 << 16
-
-
 def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
-    for key, value in dest.items():
-        if not isinstance(value, ParamChunk):
-            continue
-        flat = value.flat
-        for lo in range(0, flat.numel(), _FINITE_CHECK_SLICE):
-            if not torch.isfinite(flat[lo : lo + _FINITE_CHECK_SLICE]).all():
-                return f"{key} holds non-finite values"
-    return None
+    """'<key> holds non-finite values' for the first read tensor with a NaN or an infinity, else None."""
+    bad = first_nonfinite((key, value.flat) for key, value in dest.items() if isinstance(value, ParamChunk))
+    return None if bad is None else f"{bad} holds non-finite values"
 
 
-def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[Any],
+def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
                        scheduler: Optional[Any]) -> None:
     """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
     with torch.no_grad():
@@ -248,5 +213,5 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
         scheduler.load_state_dict(dest["scheduler"])
 
 
-__all__ = ["FORMAT", "ParamEntry", "as_chunks", "param_entries", "state_names", "fingerprint", "build_save_state",
-           "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]
+__all__ = ["FORMAT", "as_chunks", "check_optimizer", "data_parallel_size", "fingerprint", "Staging", "rank_key",
+           "build_save_state", "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -227,7 +227,8 @@ def _split_problem(held: dict[int, tuple], dp_ranks: list[int], s: int, k: int) 
             return (f"rank {rank}'s intra-instance group has {len(a)} ranks and its inter-instance group {len(b)} "
                     f"(expected {s} and {k})")
         if not set(a) <= set(dp_ranks) or not set(b) <= set(dp_ranks):
-            return f"rank {rank}'s instance groups {list(a)} / {list(b)} reach outside the data-parallel group {dp_ranks}"
+            return (f"rank {rank}'s instance groups {list(a)} / {list(b)} reach outside the data-parallel group "
+                    f"{dp_ranks}")
         if any(intra_of[m] != a for m in a) or any(inter_of[m] != b for m in b):
             return f"rank {rank}'s instance groups {list(a)} / {list(b)} differ from their members' own"
         if len({intra_of[m].index(m) for m in b}) != 1 or len({intra_of[m] for m in b}) != k:

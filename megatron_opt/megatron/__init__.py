@@ -10,13 +10,16 @@ megatron_opt's, in megatron-core's own modules and wherever a module already imp
 DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). Call it
 before Megatron-LM imports its training modules, or after: both are covered. ``uninstall()``
 restores megatron-core's objects.
+
+The patch is process-wide, so its undo record lives with it: each patched module keeps the values
+it had in its own ``_megatron_opt_originals`` dict (megatron_opt itself holds no state).
 """
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-_replaced: list[tuple[Any, str, Any]] = []  # (namespace, attribute, original value), in patch order
+_ORIGINALS = "_megatron_opt_originals"  # in a patched module: {attribute: megatron-core's value}
 
 
 def _targets() -> dict[int, Any]:
@@ -36,15 +39,21 @@ def _targets() -> dict[int, Any]:
     return pairs
 
 
-def _patch(namespace: Any, name: str, value: Any) -> None:
-    _replaced.append((namespace, name, getattr(namespace, name)))
-    setattr(namespace, name, value)
+def _megatron_modules() -> list[Any]:
+    """megatron-core's (and Megatron-LM's) loaded modules: the namespaces install() may patch."""
+    return [module for name, module in list(sys.modules.items())
+            if module is not None and name.startswith("megatron") and not name.startswith("megatron_opt")]
+
+
+def _patch(module: Any, name: str, value: Any) -> None:
+    vars(module).setdefault(_ORIGINALS, {})[name] = getattr(module, name)
+    setattr(module, name, value)
 
 
 def install() -> None:
     """Make megatron-core's names resolve to megatron_opt's DistributedDataParallel and
     get_megatron_optimizer (idempotent). Needs megatron-core to be importable."""
-    if _replaced:
+    if is_installed():
         return
     try:
         targets = _targets()
@@ -53,9 +62,7 @@ def install() -> None:
     from ..distributed.ddp import DistributedDataParallel
 
     core_ddp_classes = {k for k, v in targets.items() if v is DistributedDataParallel}
-    for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.startswith("megatron") or module_name.startswith("megatron_opt"):
-            continue
+    for module in _megatron_modules():
         for name, value in list(vars(module).items()):
             if id(value) in targets:
                 _patch(module, name, targets[id(value)])
@@ -66,13 +73,13 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo install(): megatron-core's objects are back wherever install() replaced them."""
-    while _replaced:
-        namespace, name, original = _replaced.pop()
-        setattr(namespace, name, original)
+    for module in _megatron_modules():
+        for name, original in vars(module).pop(_ORIGINALS, {}).items():
+            setattr(module, name, original)
 
 
 def is_installed() -> bool:
-    return bool(_replaced)
+    return any(_ORIGINALS in vars(module) for module in _megatron_modules())
 
 
 __all__ = ["install", "uninstall", "is_installed"]

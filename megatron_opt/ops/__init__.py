@@ -115,10 +115,6 @@ def _host_groups(lr_wd: torch.Tensor) -> tuple[list[float], list[float]]:
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
-def _scaled(grad_scale: torch.Tensor, clip_coef: float) -> torch.Tensor:
-    return grad_scale if clip_coef == 1.0 else grad_scale * clip_coef
-
-
 def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True, *,
                        backend: Backend = "auto") -> None:
     """stats += pass 1 over every shard of ``plan`` (see ``grad_stats``)."""
@@ -133,7 +129,7 @@ def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Ten
 
 
 def _update_planned(op: str, plan: StepPlan, shard_operands, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor,
-                    clip_coef: float, backend: str, **hyper) -> None:
+                    backend: str, **hyper) -> None:
     """Pass 2 ``op`` over every shard of ``plan``: one ``<op>_planned`` launch on the CUDA extension;
     on a torch backend the single-shard ``op`` per shard, with ``shard_operands(shard)`` giving its
     tensors between grad and table. ``hyper``: the op's own arguments, found_inf included."""
@@ -141,43 +137,41 @@ def _update_planned(op: str, plan: StepPlan, shard_operands, *, lr_wd: torch.Ten
     if impl is None:
         return
     if impl is _cuda_impl:
-        getattr(impl, f"{op}_planned")(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, **hyper)
+        getattr(impl, f"{op}_planned")(plan, lr_wd=lr_wd, grad_scale=grad_scale, **hyper)
         return
     plan.check_groups(lr_wd, op)
     lr, wd = _host_groups(lr_wd)
-    scale = _scaled(grad_scale, clip_coef)
     step_op = getattr(impl, op)
     for s in plan.shards:
-        step_op(s.grad, *shard_operands(s), s.table, lr=lr, weight_decay=wd, grad_scale=scale, **hyper)
+        step_op(s.grad, *shard_operands(s), s.table, lr=lr, weight_decay=wd, grad_scale=grad_scale, **hyper)
 
 
+# ``grad_scale`` of the update ops is the one gradient multiplier: the caller has folded every factor
+# into it (unscale, 1/loss scale, the clip coefficient) as one fp32 device scalar.
 def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
-                       beta1: float, beta2: float, eps: float, clip_coef: float = 1.0,
-                       found_inf: Optional[torch.Tensor] = None, stochastic_rounding: bool = False,
-                       backend: Backend = "auto") -> None:
+                       beta1: float, beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
+                       stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
     """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2].
     Moments and masters may be 16-bit (see ops/precision.py)."""
     _update_planned("adamw_step", plan, lambda s: (s.master, s.state[0], s.state[1], s.param_out), lr_wd=lr_wd,
-                    grad_scale=grad_scale, clip_coef=clip_coef, backend=backend, step=step, beta1=beta1,
-                    beta2=beta2, eps=eps, found_inf=found_inf, stochastic_rounding=stochastic_rounding)
+                    grad_scale=grad_scale, backend=backend, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                    found_inf=found_inf, stochastic_rounding=stochastic_rounding)
 
 
 def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
-                     nesterov: bool = False, clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None,
+                     nesterov: bool = False, found_inf: Optional[torch.Tensor] = None,
                      backend: Backend = "auto") -> None:
     """SGD over every shard of ``plan``; shard state is (momentum_buffer,) when momentum != 0, else ()."""
     _update_planned("sgd_step", plan, lambda s: (s.master, s.state[0] if s.state else None, s.param_out),
-                    lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, backend=backend, momentum=momentum,
-                    nesterov=nesterov, found_inf=found_inf)
+                    lr_wd=lr_wd, grad_scale=grad_scale, backend=backend, momentum=momentum, nesterov=nesterov,
+                    found_inf=found_inf)
 
 
 def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
-                      clip_coef: float = 1.0, found_inf: Optional[torch.Tensor] = None,
-                      backend: Backend = "auto") -> None:
+                      found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
     """Lion over every shard of ``plan``; shard state is (exp_avg,)."""
     _update_planned("lion_step", plan, lambda s: (s.master, s.state[0], s.param_out), lr_wd=lr_wd,
-                    grad_scale=grad_scale, clip_coef=clip_coef, backend=backend, beta1=beta1, beta2=beta2,
-                    found_inf=found_inf)
+                    grad_scale=grad_scale, backend=backend, beta1=beta1, beta2=beta2, found_inf=found_inf)
 
 
 __all__ = [

@@ -63,7 +63,8 @@ def check_stats(op: str, stats: torch.Tensor, device: torch.device) -> None:
     if not isinstance(stats, torch.Tensor) or stats.device != device or stats.dtype != torch.float64:
         raise TypeError(f"{op}: stats must be a float64 tensor of 3 elements on {device}")
     if stats.numel() != 3 or not stats.is_contiguous():
-        raise ValueError(f"{op}: stats must be a contiguous float64 tensor with 3 elements, got shape {tuple(stats.shape)}")
+        raise ValueError(f"{op}: stats must be a contiguous float64 tensor with 3 elements, got shape "
+                         f"{tuple(stats.shape)}")
 
 
 def check_remainder_param(where: str, master_dtype: torch.dtype, param_dtype: Optional[torch.dtype]) -> None:
@@ -111,7 +112,7 @@ def check_update_operands(op: str, device: torch.device, table: PieceTable, grad
     check_no_overlap(op, {"grad": grad, "master": master, **state, "param_out": param_out})
 
 
-def check_group_lists(op: str, table: PieceTable, lr: Sequence[float],
+def param_group_lists(op: str, table: PieceTable, lr: Sequence[float],
                       weight_decay: Sequence[float]) -> tuple[list[float], list[float]]:
     """Per-group lr and weight decay as float lists, one entry for every group id of ``table``."""
     lr_l = [float(x) for x in lr]
@@ -121,7 +122,8 @@ def check_group_lists(op: str, table: PieceTable, lr: Sequence[float],
     if table.group:
         lo, hi = min(table.group), max(table.group)
         if lo < 0 or hi >= len(lr_l):
-            raise ValueError(f"{op}: piece group ids span [{lo}, {hi}] but lr/weight_decay have {len(lr_l)} entries")
+            raise ValueError(f"{op}: the pieces' param group ids span [{lo}, {hi}] but lr/weight_decay have "
+                             f"{len(lr_l)} entries")
     return lr_l, wd_l
 
 
@@ -166,4 +168,4 @@ def check_plan_shards(shards: Sequence, needs_update: bool) -> None:
 
 
 __all__ = ["FP32_ONLY", "fp32_rule_hint", "check_flat", "check_scalar", "check_stats", "check_remainder_param",
-           "check_no_overlap", "check_update_operands", "check_group_lists", "check_fp32_state", "check_plan_shards"]
+           "check_no_overlap", "check_update_operands", "param_group_lists", "check_fp32_state", "check_plan_shards"]

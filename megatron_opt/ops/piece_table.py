@@ -8,9 +8,11 @@ to leave the gaps out of the result (ops/common.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Hashable, Optional, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,7 @@ class PieceTable:
     in_norm: tuple[bool, ...]  # False for shared / tensor-parallel-duplicate params
     group: tuple[int, ...]  # param-group index of each piece (selects lr and weight decay)
     numel: int  # size of the flat shard
-    _device_cache: dict = field(default_factory=dict, compare=False, repr=False)
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)  # memo(): {kind: {key: value}}
 
     def __post_init__(self) -> None:
         n = len(self.starts)
@@ -63,17 +65,27 @@ class PieceTable:
     def group_runs(self) -> list[tuple[int, int, int]]:
         return self.runs(self.group)  # type: ignore[return-value]
 
+    def memo(self, kind: str, key: Hashable, build: Callable[[], T], max_entries: Optional[int] = None) -> T:
+        """``build()``, made once per (kind, key) and kept with the table (device copies, plans built
+        from it). ``max_entries`` bounds the entries of one kind; the oldest goes first."""
+        entries = self._derived.setdefault(kind, {})
+        if key not in entries:
+            if max_entries is not None and len(entries) >= max_entries:
+                entries.pop(next(iter(entries)))
+            entries[key] = build()
+        return entries[key]
+
     def gap_index(self, device: torch.device) -> torch.Tensor:
         """int64 positions (shard coordinates) of the gap elements inside the span, i.e. of every
         element of [first start, last end) outside the pieces, ascending (built once per device)."""
-        key = ("gap_index", str(device))
-        if key not in self._device_cache:
+        def build() -> torch.Tensor:
             lo = torch.tensor(self.ends[:-1], dtype=torch.int64)
             lens = torch.tensor(self.starts[1:], dtype=torch.int64) - lo
             offsets = torch.cumsum(lens, 0) - lens  # where each gap begins in the list of gap elements
             idx = torch.arange(int(lens.sum()), dtype=torch.int64) - torch.repeat_interleave(offsets - lo, lens)
-            self._device_cache[key] = idx.to(device)
-        return self._device_cache[key]
+            return idx.to(device)
+
+        return self.memo("gap_index", str(device), build)
 
 
 def full_table(numel: int) -> PieceTable:

@@ -123,5 +123,6 @@ def store_state(values: torch.Tensor, state: torch.Tensor, *, stochastic: bool =
         state.copy_(values)
 
 
-__all__ = ["FLOAT_DTYPES", "MASTER_DTYPES", "STATE_DTYPES", "KERNEL_MOMENT_PAIRS", "dtype_names", "is_remainder", "join_remainder", "split_remainder", "load_master",
-           "store_master", "hash16", "round_bf16_stochastic", "store_state"]
+__all__ = ["FLOAT_DTYPES", "MASTER_DTYPES", "STATE_DTYPES", "KERNEL_MOMENT_PAIRS", "dtype_names", "is_remainder",
+           "join_remainder", "split_remainder", "load_master", "store_master", "hash16", "round_bf16_stochastic",
+           "store_state"]

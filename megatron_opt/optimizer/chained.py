@@ -1,6 +1,6 @@
 """ChainedOptimizer: dense and expert-parallel DistributedOptimizers stepped as one.
 
-The chain's one StepDriver drives every child's ShardGroup: their local stats go into one vector,
+The chain's one StepDriver drives every child's leaf: their local stats go into one vector,
 reduced with one all-reduce over a group that covers every rank holding any shard (the world by
 default), so there is one global norm, one clip coefficient, one skip decision and one loss-scaler
 update (docs/contract.md rules 2-3). A child cannot be stepped behind the chain's back.
@@ -16,7 +16,7 @@ import torch
 
 from .distrib_optimizer import DistributedOptimizer
 from .megatron_optimizer import MegatronOptimizer
-from .shard_group import ShardGroup
+from .leaf import OptimizerLeaf
 from .state_view import LeafView
 from .step_driver import StepDriver
 
@@ -53,7 +53,7 @@ class ChainedOptimizer(MegatronOptimizer):
         for child in self.chained_optimizers:
             child.join_chain(self)
 
-    def _leaves(self) -> list[ShardGroup]:
+    def _leaves(self) -> list[OptimizerLeaf]:
         return [c.shard_group for c in self.chained_optimizers]
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)

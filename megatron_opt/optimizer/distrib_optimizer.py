@@ -1,7 +1,7 @@
-"""DistributedOptimizer: Megatron-LM's ZeRO-1 optimizer, as one ShardGroup driven by one StepDriver.
+"""DistributedOptimizer: Megatron-LM's ZeRO-1 optimizer, as one OptimizerLeaf driven by one StepDriver.
 
-Rank r owns a contiguous 1/DP range of every bucket (a param may straddle ranks); the ShardGroup
-keeps the fp32 masters and update-rule state of those ranges, the StepDriver runs the step.
+Rank r owns a contiguous 1/DP range of every bucket (a param may straddle ranks); the leaf keeps
+the fp32 masters and update-rule state of those ranges, the StepDriver runs the step.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ..distributed.shard_view import GradSource
 from ..megatron.configs import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
-from .shard_group import ShardGroup
+from .leaf import OptimizerLeaf
+from .shard_store import ShardStore
 from .state_dict import STATE_DICT_FORMAT
 from .state_view import LeafView, leaf_view
 from .step_driver import StepDriver
@@ -62,13 +63,14 @@ class DistributedOptimizer(MegatronOptimizer):
         self.config = config
         self.is_expert_parallel = expert_parallel
         self.model_parallel_group = model_parallel_group
-        self.shard_group = ShardGroup(
+        store = ShardStore(
             model_chunks, update_rule or update_rule_from_config(config), param_groups,
             default_lr=config.lr, default_weight_decay=config.weight_decay, expert_parallel=expert_parallel,
             tensor_parallel_group=tensor_parallel_group,
             main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)
             param_remainders=config.uses_param_remainders,
         )
+        self.shard_group = OptimizerLeaf(store)  # the leaf (the attribute keeps its old name for now)
         self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
                                   self.shard_group.step.device)
         groups = self.shard_group.stats_groups()
@@ -93,7 +95,7 @@ class DistributedOptimizer(MegatronOptimizer):
             groups.append(self.model_parallel_group)
         return groups
 
-    def _leaves(self) -> list[ShardGroup]:
+    def _leaves(self) -> list[OptimizerLeaf]:
         return [self.shard_group]
 
     @property

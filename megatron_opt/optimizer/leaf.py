@@ -12,13 +12,13 @@ its own. Checkpoints and Megatron-LM's API read and write the state through the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
-from .. import collectives, ops
+from .. import ops
 from ..distributed.shard_view import GradSource
-from . import local_state_dict, state_access
+from . import state_access
 from .shard_store import ShardStore
 from .state_access import PieceState
 from .update_rules import UpdateRule
@@ -34,30 +34,14 @@ class LaunchPlan:
 
 
 class OptimizerLeaf:
-    """Masters and state for the dense (or expert-parallel) shards of some model chunks, and the
-    step's calls on them."""
+    """The step's side of one ShardStore (the dense or the expert-parallel shards of some model
+    chunks): its launch plans, the calls the driver makes, and the accessors of its state."""
 
-    def __init__(
-        self,
-        sources: Sequence[GradSource],
-        rule: UpdateRule,
-        param_groups: Optional[list[dict]],
-        *,
-        default_lr: float,
-        default_weight_decay: float,
-        expert_parallel: bool = False,
-        tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-        main_params_dtype: torch.dtype = torch.float32,
-        param_remainders: bool = False,
-    ) -> None:
-        tp_rank = collectives.rank(tensor_parallel_group) if tensor_parallel_group is not None else 0
-        self.store = ShardStore(sources, rule, param_groups, default_lr=default_lr,
-                                default_weight_decay=default_weight_decay, expert_parallel=expert_parallel,
-                                tensor_parallel_rank=tp_rank, main_params_dtype=main_params_dtype,
-                                param_remainders=param_remainders)
-        self.backend = ops.resolve_backend(torch.empty(0, device=self.store.device))
+    def __init__(self, store: ShardStore) -> None:
+        self.store = store
+        self.backend = ops.resolve_backend(torch.empty(0, device=store.device))
         self.launch_plans = self._build_launch_plans()
-        self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), self.store.device)
+        self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), store.device)
         self._inv_scale: dict[int, torch.Tensor] = {}  # id(unscale factor) -> unscale / loss scale, per step
 
     # ----------------------------------------------------------------- what the store holds
@@ -174,19 +158,6 @@ class OptimizerLeaf:
         state_access.round_masters_into_params(self.store)
         self.start_param_sync(force_sync=True)
         self.finish_param_sync()
-
-    # ----------------------------------------------------------------- the same-DP-only state dict
-    def fingerprint(self) -> dict:
-        return local_state_dict.fingerprint(self.store)
-
-    def state_dict(self) -> dict:
-        return local_state_dict.state_dict(self.store)
-
-    def check_loadable(self, state_dict: dict, fix: str) -> None:
-        local_state_dict.check_loadable(self.store, state_dict, fix)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        local_state_dict.load_state_dict(self.store, state_dict)
 
 
 __all__ = ["OptimizerLeaf", "LaunchPlan"]

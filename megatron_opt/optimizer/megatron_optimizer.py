@@ -14,7 +14,8 @@ from .. import collectives
 from ..errors import StepOrderError, UnsupportedConfigError
 from . import state_dict as optimizer_state_dict
 from .grad_scaler import MegatronGradScaler
-from .shard_group import PieceState, ShardGroup
+from .leaf import OptimizerLeaf
+from .state_access import PieceState
 from .step_driver import SkipReason, StepDriver, StepState
 from .state_view import LeafView
 
@@ -25,7 +26,7 @@ class MegatronOptimizer:
     _chained_into: Optional["MegatronOptimizer"] = None
 
     # ----------------------------------------------------------------- for subclasses
-    def _leaves(self) -> list[ShardGroup]:
+    def _leaves(self) -> list[OptimizerLeaf]:
         raise NotImplementedError
 
     def join_chain(self, chain: "MegatronOptimizer") -> None:

@@ -28,6 +28,12 @@ SUPPORTED_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd", "wd_mult", "lr_mult"
 CONSISTENCY_KEYS = ("overlap_param_gather_with_optimizer_step", "optimizer", "optimizer_cpu_offload")
 
 
+def group_weight_decay(weight_decay: float, group: Mapping[str, Any]) -> float:
+    """The weight decay a param group applies: the base value (the config's, or the scheduler's at
+    this step) times the group's ``wd_mult`` (1 when absent), as megatron-core computes it."""
+    return weight_decay * group.get("wd_mult", 1.0)
+
+
 @dataclass(frozen=True)
 class Override:
     matches: Callable[[torch.nn.Parameter, str], bool]
@@ -125,10 +131,10 @@ def build_param_groups(named_params: Sequence[tuple[str, torch.nn.Parameter]], c
                  "wd_mult": 1.0, "lr_mult": 1.0, "is_decoupled_lr": False,
                  "max_lr": config.lr, "min_lr": min_lr, **fields}
         group["lr"] = group["max_lr"]
-        group["weight_decay"] = config.weight_decay * group["wd_mult"]
+        group["weight_decay"] = group_weight_decay(config.weight_decay, group)
         groups.append(group)
     return groups
 
 
 __all__ = ["Override", "standard_overrides", "legacy_overrides", "megatron_core_overrides", "build_param_groups",
-           "SUPPORTED_KEYS"]
+           "group_weight_decay", "SUPPORTED_KEYS"]

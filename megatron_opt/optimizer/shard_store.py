@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .. import collectives
 from ..distributed.shard_view import GradSource, LocalShard
 from ..ops import precision
 from ..ops.piece_table import PieceTable
@@ -53,7 +54,7 @@ class ShardStore:
         default_lr: float,
         default_weight_decay: float,
         expert_parallel: bool = False,
-        tensor_parallel_rank: int = 0,
+        tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         main_params_dtype: torch.dtype = torch.float32,
         param_remainders: bool = False,
     ) -> None:
@@ -67,7 +68,8 @@ class ShardStore:
         self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
-        self.shards = self._build_shards(tensor_parallel_rank)
+        self.shards = self._build_shards(collectives.rank(tensor_parallel_group) if tensor_parallel_group is not None
+                                         else 0)
 
     def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id(param) -> (name, param) for every param of the published shards."""

@@ -210,23 +210,16 @@ class StepDriver:
         """A failure in the update on one rank must not leave the others in the param all-gather:
         one 1-element MAX all-reduce over the stats groups (skipped on a single rank), and on a
         failure every rank raises RankError with the failing rank's message."""
-        if self._graph is not None and self._graph.capturing:
-            if failure is not None:  # no host read inside a capture; a replay runs no Python that could fail
-                raise failure
-            return
         groups = [g for g in self.stats_groups if collectives.world_size(g) > 1]
-        if not groups:
-            if failure is not None:
+        capturing = self._graph is not None and self._graph.capturing  # no host read inside a capture
+        if not groups or capturing:
+            if failure is not None:  # (a replay runs no Python that could fail)
                 raise failure
             return
         with record_function("megatron_opt.update_agreement"):
-            failed = collectives.max_over_groups([0.0 if failure is None else 1.0], groups)[0] > 0
-        if not failed:
-            return
-        bad = [(r, m) for r, (m, _) in enumerate(collectives.gather_failures(failure, groups[0])) if m is not None]
-        where = f"rank {bad[0][0]} of the data-parallel group: {bad[0][1]}" if bad else "a model-parallel peer"
-        raise RankError(f"the optimizer update failed on {where}. The ranks' params may now differ: restart from the "
-                        f"last checkpoint.") from failure
+            collectives.agree_each_step("the optimizer update failed", failure, groups, error_type=RankError,
+                                        failure_note="The ranks' params may now differ: restart from the last "
+                                                     "checkpoint.")
 
     # ----------------------------------------------------------------- the host API (Megatron-LM's split API)
     def prepare_grads(self) -> bool:

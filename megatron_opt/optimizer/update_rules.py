@@ -31,12 +31,13 @@ class UpdateRule(abc.ABC):
         return {n: torch.zeros(master.shape, dtype=d, device=master.device) for n, d in self.state_dtypes().items()}
 
     @abc.abstractmethod
-    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, clip_coef: float,
-              step: torch.Tensor, backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
+    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+              backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
         """Pass 2 over every shard of ``plan`` (whose shard state is ``state_dtypes()``'s tensors, in
         that order). ``lr_wd``: [param groups, 2] (lr, weight decay) on the plan's device; the grads
-        are multiplied by ``grad_scale * clip_coef``; ``step`` is the 1-based index of this update;
-        a nonzero device flag ``found_inf`` means: write nothing (a step decided on the device)."""
+        are multiplied by ``grad_scale``, the one fp32 device multiplier that already holds the
+        unscale factor, 1/loss scale and the clip coefficient; ``step`` is the 1-based index of this
+        update; a nonzero device flag ``found_inf`` means: write nothing (a step decided on the device)."""
 
     def hyperparameters(self) -> dict[str, Any]:
         """The rule's constants, recorded in state dicts for inspection (a load keeps the running
@@ -73,9 +74,9 @@ class AdamW(UpdateRule):
         out = super().hyperparameters()
         return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in out.items()}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, step=step,
-                               beta1=self.beta1, beta2=self.beta2, eps=self.eps, found_inf=found_inf,
+    def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None) -> None:
+        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=self.beta1,
+                               beta2=self.beta2, eps=self.eps, found_inf=found_inf,
                                stochastic_rounding=self.stochastic_rounding, backend=backend)
 
 
@@ -90,8 +91,8 @@ class SGD(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
-        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, momentum=self.momentum,
+    def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None) -> None:
+        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=self.momentum,
                              nesterov=self.nesterov, found_inf=found_inf, backend=backend)
 
 
@@ -106,9 +107,9 @@ class Lion(UpdateRule):
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None) -> None:
-        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, clip_coef=clip_coef, beta1=self.beta1,
-                              beta2=self.beta2, found_inf=found_inf, backend=backend)
+    def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None) -> None:
+        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, beta1=self.beta1, beta2=self.beta2,
+                              found_inf=found_inf, backend=backend)
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}

@@ -81,7 +81,7 @@ def resume_case(path: str, precision: str, phase: str, steps: int, async_save: b
         ckpt.save(path, ddp, opt, sched, iteration=half, consumed_samples=half * MB * GA * dist.get_world_size(),
                   async_save=async_save)
         if async_save:
-            ckpt.wait_for_pending_save()
+            ckpt.wait_for_pending_save(ddp)
         return dict(losses=losses)
     state = ckpt.load(path, ddp, opt, sched)
     losses = train(ddp, opt, sched, steps - half)
@@ -137,7 +137,7 @@ def load_damaged(path: str, damage: str) -> dict:
 
 
 def async_save_failure(path: str) -> dict:
-    """A background write that fails on rank 1 raises on every rank at the next check."""
+    """A background write that fails on rank 1 raises on every rank, at the check that finds it done."""
     torch.manual_seed(3)
     model, ddp, opt, sched = build_run("fp32", seed=7)
     train(ddp, opt, sched, 1)
@@ -146,17 +146,15 @@ def async_save_failure(path: str) -> dict:
         def broken(p):
             raise OSError(f"disk full while reading back {p}")
         directory.sha256_of = broken
+    error = None
     try:
-        ckpt.save(path, ddp, opt, sched, iteration=1, async_save=True)
-        error = None
-        try:
-            for _ in range(50):
-                train(ddp, opt, sched, 1)  # training goes on while the save runs
-                ckpt.check_pending_save()
-                time.sleep(0.05)
-            ckpt.wait_for_pending_save()
-        except mo.CheckpointError as exc:
-            error = str(exc)
+        with ckpt.Checkpointer() as checkpointer:
+            checkpointer.save(path, ddp, opt, sched, iteration=1, async_save=True)
+            train(ddp, opt, sched, 1)  # training goes on while the save runs
+            try:
+                checkpointer.check_pending_save(block=True)  # waits for the save's thread, then agrees
+            except mo.CheckpointError as exc:
+                error = str(exc)
     finally:
         directory.sha256_of = real
     return dict(error=error, tracker=directory.read_tracker(path))
@@ -174,7 +172,7 @@ def async_save_overlaps_training(path: str) -> dict:
     ckpt.save(os.path.join(path, "async"), ddp, opt, sched, iteration=2, async_save=True)
     blocked_s = time.perf_counter() - t0
     train(ddp, opt, sched, 1)  # mutates params and state while the background write runs
-    ckpt.wait_for_pending_save()
+    ckpt.wait_for_pending_save(ddp)
     return dict(sync_s=sync_s, blocked_s=blocked_s)
 
 
@@ -235,23 +233,82 @@ def load_with_other_schedule(path: str) -> dict:
 
 def chained_with_two_rules(path: str, phase: str) -> dict:
     """Dense AdamW + expert-parallel SGD children in one ChainedOptimizer: save, then load bitwise."""
-    from megatron_opt.optimizer.chained import ChainedOptimizer
-    from megatron_opt.optimizer.distrib_optimizer import DistributedOptimizer
+    model, ddp, opt = _two_rule_chain(seed=0 if phase == "save" else 5)
+    if phase == "save":
+        _chain_step(ddp, opt, seed=1)
+        ckpt.save(path, ddp, opt, iteration=1)
+    else:
+        ckpt.load(path, ddp, opt)
+    return {k: v.clone() for k, v in opt.local_state_tensors().items()}
 
-    torch.manual_seed(0)
+
+def _two_rule_chain(seed: int = 0):
+    """Dense AdamW + expert-parallel SGD children in one ChainedOptimizer."""
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     for p in model[1].parameters():
         p.allreduce = False
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
     adam = mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True)
-    sgd = mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True)
-    opt = ChainedOptimizer([DistributedOptimizer(adam, [ddp], expert_parallel=False),
-                            DistributedOptimizer(sgd, [ddp], expert_parallel=True)])
-    if phase == "save":
-        ddp.zero_grad_buffer()
-        ddp(torch.randn(4, 8)).square().sum().backward()
-        assert opt.step()[0]
-        ckpt.save(path, ddp, opt, iteration=1)
-    else:
-        ckpt.load(path, ddp, opt)
-    return {k: v.clone() for k, v in opt.local_state_tensors().items()}
+    sgd = mo.OptimizerConfig(lr=1e-2, optimizer="sgd", use_distributed_optimizer=True)  # momentum 0.9
+    opt = mo.ChainedOptimizer([mo.DistributedOptimizer(adam, [ddp], expert_parallel=False),
+                               mo.DistributedOptimizer(sgd, [ddp], expert_parallel=True)])
+    return model, ddp, opt
+
+
+def _chain_step(ddp, opt, seed: int) -> None:
+    torch.manual_seed(seed)
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(4, 8)).square().sum().backward()
+    assert opt.step()[0]
+
+
+def chained_state_dict_round_trip() -> dict:
+    """One state_dict covers the whole chain (both rules); a fresh chain that loads it continues bitwise."""
+    model_a, ddp_a, opt_a = _two_rule_chain(seed=0)
+    _chain_step(ddp_a, opt_a, seed=1)
+    saved = opt_a.state_dict()
+    model_b, ddp_b, opt_b = _two_rule_chain(seed=5)
+    opt_b.load_state_dict(saved)
+    a, b = opt_a.local_state_tensors(), opt_b.local_state_tensors()
+    loaded_equal = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _chain_step(ddp_a, opt_a, seed=2)
+    _chain_step(ddp_b, opt_b, seed=2)
+    return dict(states=sorted(saved["state"]), loaded_equal=loaded_equal,
+                params_equal=all(torch.equal(x, y) for x, y in zip(model_a.parameters(), model_b.parameters())),
+                steps=(opt_a.scalar_state()["steps"], opt_b.scalar_state()["steps"]))
+
+
+def state_dict_loads_where_covered(path: str) -> dict:
+    """A one-rank state_dict (file ``path``) loads at this pool's DP size: every rank finds its elements."""
+    model, ddp, opt, sched = build_run("bf16", seed=123)
+    sd = torch.load(path, weights_only=False)[0]
+    opt.load_state_dict(sd)
+    return dict(masters=opt.gather_main_params(), scalars=opt.scalar_state())
+
+
+def one_rank_state_dict(path: str) -> dict:
+    """Train one step at DP=1 and keep the optimizer's state_dict in ``path`` (a list of one)."""
+    torch.manual_seed(3)
+    model, ddp, opt, sched = build_run("bf16", seed=7)
+    train(ddp, opt, sched, 1)
+    torch.save([opt.state_dict()], path)
+    return dict(masters=opt.gather_main_params(), scalars=opt.scalar_state())
+
+
+def data_parallel_inside_a_larger_world(path: str, phase: str) -> dict:
+    """Each rank is its own data-parallel group (DP=1 in a world of 2, as under tensor parallelism with
+    replicated params): the manifest records DP=1 and world size 2."""
+    world = dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
+    torch.manual_seed(0)
+    model = TinyLM(torch.float32, seed=7)
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                     data_parallel_group=groups[dist.get_rank()])
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), ddp)
+    with ckpt.Checkpointer() as checkpointer:
+        if phase == "save":
+            checkpointer.save(path, ddp, opt, iteration=1)
+            return {}
+        state = checkpointer.load(path, ddp, opt)
+    return dict(saved_dp=state.saved_data_parallel_size, saved_world=state.saved_world_size, rng=state.rng_restored)

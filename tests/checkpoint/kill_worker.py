@@ -5,7 +5,8 @@
         iterations (keep_latest_k=KEEP): iteration 2 completes, then the save of iteration 4 runs
         with a hook that SIGKILLs rank R at POINT (see HOOKS). The hooking rank writes
         M/killed_rank<R> (holding POINT) just before it kills itself, so the caller can tell
-        that the point was really reached.
+        that the point was really reached; a survivor writes M/survivor_rank<r>.json (what it
+        raised, and when).
     python tests/checkpoint/kill_worker.py --resume --ckpt DIR [DIR ...] --out PREFIX
         for each DIR, 2 fresh ranks (other init, other RNG) load() it, train on to iteration
         FINAL saving like the killed run did, and write PREFIX.rank<r>.pt:
@@ -70,9 +71,8 @@ HOOKS = {
 
 # ----------------------------------------------------------------------------- the kill hooks
 def _die(point: str, rank: int, marker_dir: str) -> None:
-    Path(marker_dir, f"killed_rank{rank}").write_text(point)
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # never reached
+    Path(marker_dir, f"killed_rank{rank}").write_text(point)  # its mtime is the time of the kill
+    os.kill(os.getpid(), signal.SIGKILL)  # a signal a process sends itself is delivered before kill() returns
 
 
 def _wrap(owner, name: str, before=None, after=None) -> None:
@@ -272,9 +272,13 @@ def _rank_main(rank: int, init_method: str, args) -> None:
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     try:
         {"kill": _rank_kill, "resume": _rank_resume, "straight": _rank_straight}[args.mode](rank, args)
-    except BaseException:
-        # A survivor of a killed peer ends here (its next collective fails); say why, and leave
-        # without tearing down a process group whose peer is gone.
+    except BaseException as exc:
+        # A survivor of a killed peer ends here (its next collective fails); say why (the caller
+        # checks what it raised, and when), and leave without tearing down a process group whose
+        # peer is gone.
+        if args.mode == "kill":
+            Path(args.marker_dir, f"survivor_rank{rank}.json").write_text(json.dumps(
+                {"error": type(exc).__name__, "message": str(exc)[:2000], "at": time.time()}))
         sys.stderr.write(f"--- rank {rank} ---\n{traceback.format_exc()}")
         sys.stderr.flush()
         os._exit(1)
@@ -322,21 +326,29 @@ def main(argv=None) -> int:
 
 def _launch(ctx, init_method: str, args) -> tuple[list, list]:
     """Start the ranks, wait for them (GRACE_S after the first death, kill the rest); their exit codes."""
+    from multiprocessing.connection import wait
+
     procs = [ctx.Process(target=_rank_main, args=(rank, init_method, args)) for rank in range(WORLD)]
     for proc in procs:
         proc.start()
-    first_death, killed = None, []
-    while any(proc.exitcode is None for proc in procs):
-        time.sleep(0.05)
-        if first_death is None and any(proc.exitcode not in (None, 0) for proc in procs):
-            first_death = time.monotonic()
-        if first_death is not None and time.monotonic() - first_death > GRACE_S:
-            for rank, proc in enumerate(procs):
-                if proc.exitcode is None:
-                    proc.kill()
-                    killed.append(rank)
-            for proc in procs:
-                proc.join()
+    running = {proc.sentinel: proc for proc in procs}
+    deadline = None  # GRACE_S after the first rank that failed
+    while running:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ended = wait(list(running), timeout)  # returns when a rank exits, or at the deadline
+        if not ended:
+            break
+        for sentinel in ended:
+            proc = running.pop(sentinel)
+            proc.join()
+            if proc.exitcode != 0 and deadline is None:
+                deadline = time.monotonic() + GRACE_S
+    killed = []
+    for rank, proc in enumerate(procs):
+        if proc.sentinel in running:
+            proc.kill()
+            proc.join()
+            killed.append(rank)
     return [proc.exitcode for proc in procs], killed
 
 

@@ -132,10 +132,34 @@ def _damage(folder, how: str) -> None:
     elif how == "truncated_metadata":
         with open(folder / ".metadata", "r+b") as f:
             f.truncate(10)
+    elif how == "altered_metadata":
+        _drop_a_key_from_metadata(folder)
+
+
+def _drop_a_key_from_metadata(folder) -> str:
+    """Rewrite DCP's .metadata without one optimizer key: it still unpickles, only its hash can tell."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("optim/exp_avg/"))
+    del metadata.state_dict_metadata[key]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    return key
+
+
+def _as_an_older_manifest(folder) -> None:
+    """The manifest as megatron_opt wrote it before it recorded the world size and hashed .metadata."""
+    manifest = directory.read_manifest(folder)
+    manifest.pop("world_size")
+    manifest["files"].pop(".metadata")
+    directory.write_manifest(folder, manifest)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing_file", "corrupt", "missing_manifest", "truncated_metadata",
-                                    "wrong_model", "no_checkpoint"])
+                                    "altered_metadata", "wrong_model", "no_checkpoint"])
 def test_damaged_checkpoint_raises_everywhere_and_changes_nothing(pools, tmp_path, damage):
     pool = pools(2)
     pool.run(cc.save_after_steps, str(tmp_path), "fp32", 1)
@@ -146,7 +170,8 @@ def test_damaged_checkpoint_raises_everywhere_and_changes_nothing(pools, tmp_pat
         _damage(folder, damage)
     results = pool.run(cc.load_damaged, str(tmp_path), damage, timeout=60)
     expect = {"truncated": "truncated", "missing_file": "is missing", "corrupt": "corrupt",
-              "missing_manifest": "not a complete checkpoint", "truncated_metadata": ".metadata",
+              "missing_manifest": "not a complete checkpoint", "truncated_metadata": ".metadata is corrupt",
+              "altered_metadata": ".metadata is corrupt",
               "wrong_model": "different model", "no_checkpoint": "no checkpoint"}[damage]
     for res in results:
         assert res["error"] is not None and expect in res["error"], res
@@ -163,15 +188,27 @@ def test_nonfinite_saved_state_is_rejected(pools, tmp_path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_check_reaches_past_its_first_slice(bad):
-    from megatron_opt.checkpoint import model_space
-    from megatron_opt.checkpoint.dcp_items import ParamChunk
+    from megatron_opt.optimizer.state_view import FINITE_CHECK_SLICE, first_nonfinite
 
-    n = 3 * model_space._FINITE_CHECK_SLICE + 5  # the check goes in slices; the bad value is in the last
-    dest = {"optim/exp_avg/a": ParamChunk(torch.zeros(7), torch.Size([7]), 0),
-            "optim/exp_avg/b": ParamChunk(torch.zeros(n), torch.Size([n]), 0), "run": None}
-    assert model_space.nonfinite_optimizer_state(dest) is None
-    dest["optim/exp_avg/b"].flat[-1] = bad
-    assert "optim/exp_avg/b" in model_space.nonfinite_optimizer_state(dest)
+    n = 3 * FINITE_CHECK_SLICE + 5  # the check goes in slices; the bad value is in the last
+    named = {"a": torch.zeros(7), "b": torch.zeros(n), "steps": torch.zeros(3, dtype=torch.int64)}
+    assert first_nonfinite(named.items()) is None
+    named["b"][-1] = bad
+    assert first_nonfinite(named.items()) == "b"
+
+
+def test_dcp_failure_names_each_rank_cause(pools, tmp_path):
+    """A load that DCP itself refuses (an older checkpoint, whose manifest does not hash .metadata,
+    with a .metadata missing a key) raises a CheckpointError stating DCP's cause per rank, not a traceback."""
+    pool = pools(2)
+    pool.run(cc.save_after_steps, str(tmp_path), "fp32", 1)
+    folder = directory.iteration_dir(tmp_path, 1)
+    _as_an_older_manifest(folder)
+    key = _drop_a_key_from_metadata(folder)
+    for res in pool.run(cc.load_damaged, str(tmp_path), "dcp", timeout=60):
+        assert res["error"] is not None and res["untouched"], res
+        assert f"rank 0: RuntimeError: Missing key in checkpoint state_dict: {key}" in res["error"], res["error"]
+        assert "Traceback" not in res["error"], res["error"]
 
 
 # ----------------------------------------------------------------------------- async saves
@@ -242,3 +279,40 @@ def test_chained_optimizer_with_two_update_rules_round_trips(pools, tmp_path):
     loaded = pools(2).run(cc.chained_with_two_rules, str(tmp_path), "load")
     for a, b in zip(saved, loaded):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_older_checkpoint_still_loads(pools, tmp_path):
+    """A manifest without the world size and without the .metadata hash (megatron_opt before both)."""
+    pools(2).run(cc.save_after_steps, str(tmp_path), "fp32", 2)
+    _as_an_older_manifest(directory.iteration_dir(tmp_path, 2))
+    model, ddp, opt, sched = cc.build_run("fp32", seed=321)
+    state = ckpt.load(tmp_path, ddp, opt, sched)
+    assert state.saved_data_parallel_size == 2 and state.saved_world_size == 2 and state.iteration == 2
+    saved = ckpt.read_tensors(tmp_path, "master")
+    assert all(torch.equal(v, saved[k]) for k, v in opt.gather_main_params().items())
+
+
+def test_the_manifest_records_the_data_parallel_size_not_the_world_size(pools, tmp_path):
+    pools(2).run(cc.data_parallel_inside_a_larger_world, str(tmp_path), "save")
+    manifest = directory.read_manifest(directory.iteration_dir(tmp_path, 1))
+    assert manifest["data_parallel_size"] == 1 and manifest["world_size"] == 2, manifest
+    for res in pools(2).run(cc.data_parallel_inside_a_larger_world, str(tmp_path), "load"):
+        assert res == dict(saved_dp=1, saved_world=2, rng=True), res
+
+
+# ----------------------------------------------------------------------------- the in-memory state_dict
+def test_chained_state_dict_covers_every_rule_and_round_trips(pools):
+    for res in pools(2).run(cc.chained_state_dict_round_trip):
+        assert res["states"] == ["exp_avg", "exp_avg_sq", "master", "momentum_buffer"], res["states"]
+        assert res["loaded_equal"] and res["params_equal"], res
+        assert res["steps"][0] == res["steps"][1] == [2, 2], res["steps"]
+
+
+def test_a_one_rank_state_dict_loads_at_any_data_parallel_size(pools, tmp_path):
+    """The state_dict is per parameter: a DP=1 one holds every element, so each rank of DP=3 finds its own."""
+    path = str(tmp_path / "sd.pt")
+    (saved,) = pools(1).run(cc.one_rank_state_dict, path)
+    for res in pools(3).run(cc.state_dict_loads_where_covered, path):
+        assert res["scalars"] == saved["scalars"]
+        assert res["masters"].keys() == saved["masters"].keys()
+        assert all(torch.equal(res["masters"][k], v) for k, v in saved["masters"].items())

@@ -35,6 +35,7 @@ KILL_TIMEOUT_S = 120
 RESUME_TIMEOUT_S = 240
 PARALLEL = 2  # kill runs at once (each is 2 ranks)
 FINAL = 6
+SURVIVOR_BOUND_S = 15  # gloo: about 2 s; well inside kill_worker's GRACE_S, on a loaded machine
 
 
 class Point(NamedTuple):
@@ -164,9 +165,14 @@ def killed(request, tmp_path_factory) -> dict:
         (where / "markers").mkdir(parents=True)
         res = _run_worker(["--ckpt", str(where / "ckpt"), "--kill-at", point.name, "--kill-rank", str(point.rank),
                            "--marker-dir", str(where / "markers")], KILL_TIMEOUT_S)
-        markers = {p.name: p.read_text() for p in (where / "markers").iterdir()}
+        files = sorted((where / "markers").iterdir())
+        markers = {p.name: p.read_text() for p in files if p.name.startswith("killed_rank")}
+        killed_at = max((p.stat().st_mtime for p in files if p.name.startswith("killed_rank")), default=None)
+        survivors = {int(p.stem[len("survivor_rank"):]): json.loads(p.read_text())
+                     for p in files if p.name.startswith("survivor_rank")}
         state = _inspect(where / "ckpt") if (where / "ckpt").exists() else None
-        return point, dict(run=res, markers=markers, after_kill=state, ckpt=str(where / "ckpt"))
+        return point, dict(run=res, markers=markers, killed_at=killed_at, survivors=survivors, after_kill=state,
+                           ckpt=str(where / "ckpt"))
 
     with ThreadPoolExecutor(PARALLEL) as pool:
         outcomes = dict(pool.map(one, _selected(request)))
@@ -205,6 +211,14 @@ def test_kill_during_save_then_resume_bit_exact(point: Point, killed, reference)
     assert o["markers"] == {f"killed_rank{point.rank}": point.name}, \
         f"the hook at {point.name} did not fire on rank {point.rank} (markers {o['markers']}): {run}"
     assert run["report"] is not None and run["report"]["exitcodes"][point.rank] == -signal.SIGKILL, run
+
+    # The survivor raised a CheckpointError on its own soon after the kill (gloo reports the closed
+    # connection in its next collective), not the backend's error, and was not left waiting.
+    assert list(o["survivors"]) == [1 - point.rank], (o["survivors"], run["stderr"])
+    survivor = o["survivors"][1 - point.rank]
+    assert survivor["error"] == "CheckpointError", survivor
+    assert survivor["at"] - o["killed_at"] < SURVIVOR_BOUND_S, (survivor["at"] - o["killed_at"], survivor)
+    assert run["report"]["killed_by_launcher"] == [], run["report"]
 
     # 2. What is visible on disk: the tracker names a complete, intact folder; iter_0000004 is either
     #    absent or complete; nothing newer than the tracker's folder is broken.

@@ -106,12 +106,12 @@ class _HalfStepSGD(mo.UpdateRule):
     def state_dtypes(self):
         return {"calls": torch.float64}
 
-    def apply(self, plan, *, lr_wd, grad_scale, clip_coef, step, backend, found_inf=None):
+    def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None):
         lr, wd = lr_wd[:, 0].tolist(), lr_wd[:, 1].tolist()
         for s in plan.shards:  # shard state: state_dtypes()'s tensors in order
             s.state[0].add_(1)
             ops.sgd_step(s.grad, s.master, None, s.param_out, s.table, lr=[x / 2 for x in lr], weight_decay=wd,
-                         grad_scale=grad_scale * clip_coef, momentum=0.0, backend=backend)
+                         grad_scale=grad_scale, momentum=0.0, backend=backend)
 
 
 def test_a_custom_update_rule_is_one_class():

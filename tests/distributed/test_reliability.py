@@ -138,7 +138,7 @@ def test_nonfinite_optimizer_state_dict_is_refused_before_any_change():
     ddp, opt = build(model)
     mo.train_step(ddp, opt, None, global_batch(1, seed=2), lambda m, b: token_loss_sum(m(b[0]), b[1]))
     sd = opt.state_dict()
-    sd["shards"][0]["exp_avg"][3] = float("nan")
+    next(iter(sd["state"]["exp_avg"].values()))["values"][0] = float("nan")
     before = {k: v.clone() for k, v in opt.local_state_tensors().items()}
     with pytest.raises(ValueError, match="non-finite"):
         opt.load_state_dict(sd)

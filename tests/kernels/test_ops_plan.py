@@ -120,13 +120,13 @@ def test_planned_pass2_equals_single_shard_ops(backend, rule):
     gs, clip, step = torch.tensor([0.5]), 0.75, torch.tensor([3])
     plan = ops.StepPlan(tuple(mine))
     if rule == "adamw":
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip, step=step, beta1=BETA1,
+        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
                                beta2=BETA2, eps=EPS, backend=backend)
     elif rule == "lion":
-        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip, beta1=BETA1, beta2=BETA2,
+        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
                               backend=backend)
     else:
-        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip, momentum=0.9 if nstate else 0.0,
+        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, momentum=0.9 if nstate else 0.0,
                              nesterov=True, backend=backend)
     for s in theirs:
         kw = dict(lr=lr, weight_decay=wd, grad_scale=gs * clip, backend=backend)
@@ -178,13 +178,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _run_rule(rule: str, plan, lr_wd, gs, clip, step, backend, found=None):
     if rule == "adamw":
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip, step=step, beta1=BETA1,
+        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
                                beta2=BETA2, eps=EPS, found_inf=found, backend=backend)
     elif rule == "lion":
-        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip, beta1=BETA1, beta2=BETA2,
+        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
                               found_inf=found, backend=backend)
     else:
-        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs, clip_coef=clip,
+        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip,
                              momentum=0.9 if rule == "sgd-momentum" else 0.0, nesterov=False, found_inf=found,
                              backend=backend)
 

@@ -283,7 +283,7 @@ def test_cuda_unsupported_moment_pair_runs_the_reference(monkeypatch, pair, mast
               make_shard(full_table(4099), BF16, master, pair, seed=6, device=DEV)]
     ours, theirs = [clone(s) for s in shards], [clone(s) for s in shards]
     lr_wd = ops.lr_wd_table(LR, WD, torch.device(DEV))
-    kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=DEV), clip_coef=0.75,
+    kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=DEV) * 0.75,
               step=torch.tensor([2], device=DEV), beta1=BETA1, beta2=BETA2, eps=EPS, stochastic_rounding=True)
     ops.adamw_step_planned(ops.StepPlan(tuple(ours)), backend="cuda-ext", **kw)
     ops.adamw_step_planned(ops.StepPlan(tuple(theirs)), backend="reference", **kw)
@@ -311,7 +311,7 @@ def test_cuda_one_launch_over_many_shards(master, pair):
     assert phases[len(ours) - 1] == -1 and phases[0] == 0
     lr_wd = ops.lr_wd_table(LR, WD, torch.device(DEV))
     for beta in ((0.0, 0.0), (BETA1, BETA2)):
-        kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=DEV), clip_coef=1.0,
+        kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=DEV),
                   step=torch.tensor([5], device=DEV), beta1=beta[0], beta2=beta[1], eps=EPS, stochastic_rounding=True)
         ops.adamw_step_planned(plan, backend="cuda-ext", **kw)
         ops.adamw_step_planned(ops.StepPlan(tuple(theirs)), backend="reference", **kw)
@@ -446,12 +446,12 @@ def test_wrapper_fallback_runs_the_reference(wrapper, pair, master):
               make_shard(full_table(100), BF16, master, pair, seed=9, device=dev)]
     ours, theirs = [clone(s) for s in shards], [clone(s) for s in shards]
     lr_wd = ops.lr_wd_table(LR, WD, dev)
-    kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=dev), clip_coef=0.75,
+    kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=dev) * 0.75,
               step=torch.tensor([4], device=dev), beta1=BETA1, beta2=BETA2, eps=EPS, stochastic_rounding=True)
     impl.adamw_step_planned(ops.StepPlan(tuple(ours)), **kw)
     for s in theirs:
         ref.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=LR, weight_decay=WD,
-                       grad_scale=kw["grad_scale"] * 0.75, step=kw["step"], beta1=BETA1, beta2=BETA2, eps=EPS,
+                       grad_scale=kw["grad_scale"], step=kw["step"], beta1=BETA1, beta2=BETA2, eps=EPS,
                        stochastic_rounding=True)
     for a, b in zip(ours, theirs):
         assert_bitwise(a, b, "fallback vs reference")

@@ -1,5 +1,5 @@
-"""torchrun multi-node: two launchers on this machine (--nnodes=2 --nproc_per_node=1, rendezvous c10d on
-127.0.0.1) train exactly as one launcher with two processes: the per-step values that
+"""torchrun multi-node: two launchers on this machine (--nnodes=2 --nproc_per_node=1, c10d rendezvous
+through a file) train exactly as one launcher with two processes: the per-step values that
 scripts/pretrain_gpt.py logs (--log-json: loss, grad norm, loss scale, lr, skipped iterations, token
 count; and the text log without its timings) are equal bit for bit.
 
@@ -13,16 +13,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+from main_job_script import ENV, ROOT, SCRIPT
+
 RUN_TIMEOUT_S = 180
 TRAIN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "5", "--lr-warmup-iters", "1",
@@ -32,10 +30,13 @@ TRAIN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2
          "--distributed-timeout-minutes", "2", "--watchdog-min-seconds", "60", "--watchdog-multiple", "20"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _file_rendezvous(folder) -> list[str]:
+    """torchrun's c10d rendezvous through a FileStore in ``folder`` instead of a TCP endpoint: a port
+    picked up front by binding port 0 is released again, and another process can take it before the
+    first launcher binds it (EADDRINUSE). After the rendezvous, the launcher of node 0 opens the
+    workers' TCPStore on a port the kernel assigns while it binds (port 0), which cannot race."""
+    return ["--rdzv-backend=c10d", f"--rdzv-endpoint={folder / 'rendezvous'}",
+            "--rdzv-conf=store_type=file,join_timeout=60", "--rdzv-id=megatron_opt_multinode", "--local-addr=127.0.0.1"]
 
 
 def _launch(launcher_args: list[str], log_json, out_dir, name: str) -> tuple[subprocess.Popen, str, str]:
@@ -89,9 +90,7 @@ def test_two_nodes_equal_one_node_with_two_processes(tmp_path):
     one_json, two_json = tmp_path / "one_node.jsonl", tmp_path / "two_nodes.jsonl"
     (one_out,) = _run_launchers([["--standalone", "--nproc_per_node=2"]], one_json, tmp_path, "one_node")
 
-    port = _free_port()
-    node = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            f"--rdzv-id=megatron_opt_multinode_{port}", "--rdzv-conf=join_timeout=60", "--max-restarts=0"]
+    node = ["--nnodes=2", "--nproc_per_node=1", *_file_rendezvous(tmp_path), "--max-restarts=0"]
     two_outs = _run_launchers([node, node], two_json, tmp_path, "two_nodes")
 
     assert "DP=2, 1 node, " in one_out, one_out

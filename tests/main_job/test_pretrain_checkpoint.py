@@ -3,26 +3,22 @@ the straight run, at DP 1, 2 and 3, in fp32, bf16 and fp16, with sync and async 
 another DP size continues and says so."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import megatron_opt.checkpoint as ckpt
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2",
          "--warmup-steps", "2", "--use-distributed-optimizer"]
 
 
 def _pretrain(world: int, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           os.path.join(ROOT, "scripts", "pretrain_gpt.py"), *SMALL, *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    cmd = [*TORCHRUN, f"--nproc_per_node={world}", SCRIPT, *SMALL, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 

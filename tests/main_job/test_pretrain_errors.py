@@ -8,7 +8,6 @@ with the watchdog's code and message within --watchdog-min-seconds plus some sla
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -18,21 +17,11 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt
+
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pretrain_gpt = _load_script()
+pretrain_gpt = load_pretrain_gpt()
 
 # (flags, strings stderr must contain)
 BAD = [

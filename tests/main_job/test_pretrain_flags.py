@@ -4,8 +4,8 @@ precision, batch, logging and checkpoint block runs with only the entry point ch
 * The blocks of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh and
   examples/gpt3/train_gpt3_175b_distributed.sh, scaled down to a tiny model, run a few steps on CPU at
   DP=2 (torchrun), and the per-step values they log follow the schedule the flags describe.
-* Each flag maps to the right field of megatron_opt's configs (build_configs), with Megatron-LM's
-  defaults; the old flags are aliases.
+* Each flag maps to the right field of megatron_opt's configs (megatron_opt.megatron.arguments) or of
+  the script's model, with Megatron-LM's defaults; the old flags are aliases.
 * The flags the script does not implement are named together in one error (exit code 2) before any
   process group exists; values that are no-ops here (--tensor-model-parallel-size 1) are accepted.
 * The number of micro-batches is global batch / (micro batch x data-parallel size), or an error.
@@ -14,32 +14,22 @@ precision, batch, logging and checkpoint block runs with only the entry point ch
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import megatron_opt as mo
+from main_job_script import ENV, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt
+from megatron_opt.megatron import arguments as megatron_args
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 RUN_TIMEOUT_S = 240
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_flags_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-pretrain_gpt = _load_script()
+pretrain_gpt = load_pretrain_gpt()
 
 
 def _has_tensorboard() -> bool:
@@ -106,10 +96,26 @@ def _read_json_log(path) -> list[dict]:
 
 
 def _parse(monkeypatch, flags: list[str], world: int = 2):
-    """parse_args as under torchrun with ``world`` ranks, and the configs at that data-parallel size."""
+    """parse_args as under torchrun with ``world`` ranks, and what the flags configure (_run)."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
     args = pretrain_gpt.parse_args(flags)
-    return args, pretrain_gpt.build_configs(args, world)
+    return args, _run(args)
+
+
+def _run(args) -> SimpleNamespace:
+    """The configs megatron_opt.megatron.arguments maps the flags to, the batch and run length the
+    flags resolve to, and the shape of the script's model."""
+    model = pretrain_gpt.GPT(10, args)
+    block = model.blocks[0]
+    return SimpleNamespace(
+        ddp_config=megatron_args.ddp_config_from_args(args), optimizer_config=megatron_args.optimizer_config_from_args(args),
+        scheduler_kwargs=megatron_args.scheduler_kwargs_from_args(args),
+        model_dtype=megatron_args.params_dtype_from_args(args), loss_mode=megatron_args.loss_mode_from_args(args),
+        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+        global_batch_size=args.global_batch_size, train_iters=args.train_iters, seq_length=args.seq_length,
+        model={"layers": len(model.blocks), "hidden": model.tok.embedding_dim, "heads": block.heads,
+               "max_positions": model.pos.num_embeddings, "ffn_hidden": block.fc1.out_features,
+               "tie_embeddings": model.head is None})
 
 
 def _expected_lrs(run, records: list[dict]) -> list[float]:
@@ -211,7 +217,7 @@ def _get(run, path: str):
     return obj
 
 
-# (flags, {path in build_configs' RunConfig or "args.<dest>": expected value}), at DP=2
+# (flags, {path in _run's namespace or "args.<dest>": expected value}), at DP=2
 MAPPINGS = [
     (["--micro-batch-size", "3", "--global-batch-size", "24"],
      {"micro_batch_size": 3, "global_batch_size": 24, "num_microbatches": 4}),
@@ -288,10 +294,9 @@ MAPPINGS = [
     (["--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6", "--seq-length", "16",
       "--max-position-embeddings", "24", "--ffn-hidden-size", "100", "--init-method-std", "0.01",
       "--untie-embeddings-and-output-weights"],
-     {"model_kwargs.layers": 3, "model_kwargs.hidden": 48, "model_kwargs.heads": 6, "seq_length": 16,
-      "model_kwargs.max_positions": 24, "model_kwargs.ffn_hidden": 100, "model_kwargs.init_std": 0.01,
-      "model_kwargs.tie_embeddings": False}),
-    (["--seq-length", "16"], {"model_kwargs.max_positions": 16}),  # --max-position-embeddings defaults to it
+     {"model.layers": 3, "model.hidden": 48, "model.heads": 6, "seq_length": 16, "model.max_positions": 24,
+      "model.ffn_hidden": 100, "args.init_method_std": 0.01, "model.tie_embeddings": False}),
+    (["--seq-length", "16"], {"model.max_positions": 16}),  # --max-position-embeddings defaults to it
     (["--override-opt-param-scheduler"], {"scheduler_kwargs.override_opt_param_scheduler": True,
                                           "scheduler_kwargs.use_checkpoint_opt_param_scheduler": False}),
     (["--log-interval", "5", "--seed", "7", "--distributed-timeout-minutes", "3", "--save", "a", "--load", "b",
@@ -301,9 +306,8 @@ MAPPINGS = [
     # the script's old flags are aliases of Megatron-LM's
     (["--steps", "9", "--seq-len", "16", "--hidden", "48", "--layers", "3", "--heads", "6", "--warmup-steps", "2",
       "--bucket-size", "500", "--loss-mode", "per_token", "--micro-batch-size", "2"],
-     {"train_iters": 9, "seq_length": 16, "model_kwargs.hidden": 48, "model_kwargs.layers": 3,
-      "model_kwargs.heads": 6, "scheduler_kwargs.lr_warmup_steps": 8, "ddp_config.bucket_size": 500,
-      "loss_mode": "per_token"}),
+     {"train_iters": 9, "seq_length": 16, "model.hidden": 48, "model.layers": 3, "model.heads": 6,
+      "scheduler_kwargs.lr_warmup_steps": 8, "ddp_config.bucket_size": 500, "loss_mode": "per_token"}),
 ]
 
 
@@ -329,9 +333,8 @@ def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
         (dc.grad_reduce_in_fp32, False), (sk["lr_decay_style"], "linear"), (sk["init_lr"], 0.0),
         (sk["wd_incr_style"], "constant"), (sk["start_wd"], 0.01), (run.loss_mode, "mean"),
         (run.num_microbatches, 1), (args.seed, 1234), (args.distributed_timeout_minutes, 10),
-        (args.tensorboard_log_interval, 1), (run.model_kwargs["init_std"], 0.02),
-        (run.model_kwargs["tie_embeddings"], True), (run.model_kwargs["ffn_hidden"], None),
-        (run.model_dtype, torch.float32),
+        (args.tensorboard_log_interval, 1), (args.init_method_std, 0.02), (run.model["tie_embeddings"], True),
+        (args.ffn_hidden_size, None), (run.model["ffn_hidden"], 4 * 128), (run.model_dtype, torch.float32),
     ]
     for i, (got, want) in enumerate(megatron):
         assert got == want and type(got) is type(want), (i, got, want)
@@ -345,13 +348,13 @@ def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
 # ----------------------------------------------------------------------------- micro-batches
 @pytest.mark.parametrize("gbs, mbs, dp, expected", [(16, 2, 2, 4), (6, 3, 2, 1), (24, 1, 3, 8), (7, 7, 1, 1)])
 def test_num_microbatches(gbs, mbs, dp, expected):
-    assert pretrain_gpt.num_microbatches(gbs, mbs, dp) == expected
+    assert megatron_args.num_microbatches(gbs, mbs, dp) == expected
 
 
 @pytest.mark.parametrize("gbs, mbs, dp", [(10, 2, 4), (8, 3, 2), (4, 4, 2)])
 def test_num_microbatches_error(gbs, mbs, dp):
     with pytest.raises(ValueError) as exc:
-        pretrain_gpt.num_microbatches(gbs, mbs, dp)
+        megatron_args.num_microbatches(gbs, mbs, dp)
     assert (f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x data-parallel size {dp} "
             f"= {mbs * dp}") in str(exc.value)
 
@@ -528,9 +531,10 @@ def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys, tmp_path):
 
 
 def test_tensorboard_missing_on_the_command_line(tmp_path):
-    # Hide tensorboard from the script whether or not it is installed here.
+    # Hide tensorboard from the script whether or not it is installed here; run it as python does (its
+    # folder first on sys.path).
     hide = ("import runpy, sys; sys.modules['tensorboard'] = None; sys.modules['torch.utils.tensorboard'] = None; "
-            f"sys.argv = [{SCRIPT!r}, '--tensorboard-dir', {str(tmp_path / 'tb')!r}]; "
+            f"sys.path.insert(0, {SCRIPTS!r}); sys.argv = [{SCRIPT!r}, '--tensorboard-dir', {str(tmp_path / 'tb')!r}]; "
             f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                          env=ENV, cwd=ROOT)

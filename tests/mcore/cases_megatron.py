@@ -21,6 +21,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 
 import megatron_opt as mo
 import megatron_opt.megatron
+from megatron_opt.config_conversion import as_optimizer_config
 
 LR, MIN_LR, WD, CLIP = 3e-3, 3e-4, 0.1, 0.05
 
@@ -256,7 +257,7 @@ def run_param_groups_match_megatron_core(kind: str, decoupled: bool) -> list:
                                      decoupled_lr=5 * LR if decoupled else None,
                                      decoupled_min_lr=LR / 10 if decoupled else None)
     names = {id(p): n for n, p in ddp.named_parameters()}
-    ours = mo.get_param_groups([ddp], mo.megatron.configs.as_optimizer_config(opt_config),
+    ours = mo.get_param_groups([ddp], as_optimizer_config(opt_config),
                                config_overrides=_override_sets(kind))
     theirs = _get_param_groups([ddp], opt_config, _override_sets(kind))
 

@@ -17,7 +17,7 @@ from megatron.core.optimizer import ParamKey
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_opt as mo
-from megatron_opt.megatron.configs import as_ddp_config, as_optimizer_config
+from megatron_opt.config_conversion import as_ddp_config, as_optimizer_config
 from common import TinyLM
 
 

@@ -16,6 +16,7 @@ from megatron_opt.config import (
     UnsupportedConfigError,
     config_fields,
 )
+from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
 
 # CI installs megatron-core: import it unconditionally so that a missing dependency fails loudly.
 with warnings.catch_warnings():
@@ -291,3 +292,17 @@ def test_model_dtype():
     assert OptimizerConfig(lr=LR).model_dtype == torch.float32
     assert OptimizerConfig(lr=LR, fp16=True).model_dtype == torch.float16
     assert OptimizerConfig(lr=LR, bf16=True).model_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("exp_avg", STATE_DTYPES)
+@pytest.mark.parametrize("exp_avg_sq", STATE_DTYPES)
+def test_optimizer_cuda_graph_takes_exactly_the_kernel_moment_pairs(exp_avg, exp_avg_sq):
+    """The config reads the one table of compiled pairs (csrc/pass2.cuh is checked against it in
+    test_kernel_instantiations.py); other pairs run a fallback that cannot be captured."""
+    kwargs = dict(lr=LR, use_precision_aware_optimizer=True, exp_avg_dtype=exp_avg, exp_avg_sq_dtype=exp_avg_sq,
+                  optimizer_cuda_graph=True)
+    if (exp_avg, exp_avg_sq) in KERNEL_MOMENT_PAIRS:
+        OptimizerConfig(**kwargs)
+    else:
+        with pytest.raises(UnsupportedConfigError, match=r"optimizer_cuda_graph=True with \(exp_avg_dtype"):
+            OptimizerConfig(**kwargs)

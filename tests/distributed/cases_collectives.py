@@ -1,0 +1,94 @@
+"""Worker-side cases for test_collectives.py: the agreement helper and the reduce-scatter fallback."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_opt import collectives
+from megatron_opt.errors import RankError
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001  (the type is part of what is checked)
+        cause = exc.__cause__
+        return f"{type(exc).__name__}: {exc} | cause={type(cause).__name__ if cause is not None else None}"
+    return ""
+
+
+def agree_failure_on(failing: list[int]) -> str:
+    """The ranks in ``failing`` hold a local failure; every rank raises together."""
+    mine = KeyError("no such batch") if dist.get_rank() in failing else None
+    return _error_of(lambda: collectives.agree("loading", mine, None, error_type=RankError, failure_note="Retry."))
+
+
+def agree_fingerprints(differ_on: int) -> str:
+    """Rank ``differ_on`` holds another value for 'lr'; every rank raises naming the item."""
+    lr = 0.5 if dist.get_rank() == differ_on else 0.1
+    return _error_of(lambda: collectives.agree("Builder", None, None, fingerprint=[("width", 8), ("lr", lr)],
+                                               error_type=ValueError, fix="Build the same thing everywhere."))
+
+
+def agree_payloads() -> list:
+    return collectives.agree("sharing", None, None, payload={"rank": dist.get_rank()})
+
+
+def raise_together_result(fail_on: int) -> str:
+    def job() -> int:
+        if dist.get_rank() == fail_on:
+            raise OSError("disk full")
+        return 7
+
+    return _error_of(lambda: collectives.raise_together(job, None, "saving", RuntimeError)) or "7"
+
+
+def agree_each_step_traffic(fail_on: int, names_differ: bool) -> dict:
+    """Counts the all-reduces (and their sizes) and the object gathers of one agree_each_step."""
+    reduced, gathered = [], []
+    real_all_reduce, real_gather = collectives.all_reduce, dist.all_gather_object
+    collectives.all_reduce = lambda t, *a, **k: (reduced.append(t.numel()), real_all_reduce(t, *a, **k))[1]
+    dist.all_gather_object = lambda *a, **k: (gathered.append(1), real_gather(*a, **k))[1]
+    rank = dist.get_rank()
+    names = ["aux", "z"] if names_differ and rank == 1 else ["aux"]
+    try:
+        error = _error_of(lambda: collectives.agree_each_step(
+            "train_step failed", ValueError("bad batch") if rank == fail_on else None, [None],
+            fingerprint=[("aux loss names", names)], error_type=RankError, fix="Return the same aux losses."))
+    finally:
+        collectives.all_reduce, dist.all_gather_object = real_all_reduce, real_gather
+    return {"error": error, "reduced": reduced, "gathered": len(gathered)}
+
+
+def reduce_scatter_without_backend_support() -> dict:
+    """A backend refusing reduce-scatter gets the all-reduce emulation on that call only: the next
+    call (the backend able again) goes native. Nothing is remembered between calls."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
+    native_calls = []
+
+    def refuse(*a, **k):
+        raise NotImplementedError("reduce_scatter is not supported by this backend")
+
+    def count(fn):
+        return lambda *a, **k: (native_calls.append(1), fn(*a, **k))[1]
+
+    def one_round() -> bool:
+        full = torch.arange(4.0 * world) + rank
+        shard = torch.empty(4)
+        collectives.reduce_scatter(full, shard, None, async_op=False)
+        expected = sum(torch.arange(4.0 * world) + r for r in range(world))[rank * 4 : (rank + 1) * 4]
+        return torch.equal(shard, expected)
+
+    try:
+        for n in names:
+            setattr(dist, n, refuse)
+        emulated = one_round()
+        for n in names:
+            setattr(dist, n, count(real[n]))
+        native = one_round()
+    finally:
+        for n, fn in real.items():
+            setattr(dist, n, fn)
+    return {"emulated_ok": emulated, "native_ok": native, "native_calls_after": len(native_calls)}

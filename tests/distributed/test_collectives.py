@@ -1,0 +1,50 @@
+"""collectives.py: one agreement helper (every rank raises together, with the failing rank's message
+or the first differing item), its cheap per-step form, and a reduce-scatter fallback decided per call."""
+from __future__ import annotations
+
+import pytest
+
+import cases_collectives as cc
+
+
+def test_a_failure_on_some_ranks_raises_on_every_rank(pools):
+    messages = pools(3).run(cc.agree_failure_on, [1, 2])
+    text = "RankError: loading on rank 1 (and 1 more): KeyError: 'no such batch'. Retry."
+    # the same error everywhere, chained to the rank's own failure where it had one
+    assert messages == [f"{text} | cause=None", f"{text} | cause=KeyError", f"{text} | cause=KeyError"], messages
+
+
+def test_differing_fingerprints_name_the_item_and_the_rank(pools):
+    for message in pools(2).run(cc.agree_fingerprints, 1):
+        assert message.startswith("ValueError: Builder: the ranks disagree: lr is 0.1 on rank 0 but 0.5 on rank 1. "
+                                  "Build the same thing everywhere."), message
+
+
+def test_agree_returns_every_ranks_payload(pools):
+    for payloads in pools(2).run(cc.agree_payloads):
+        assert payloads == [{"rank": 0}, {"rank": 1}]
+
+
+def test_raise_together_returns_the_result_or_raises_everywhere(pools):
+    assert pools(2).run(cc.raise_together_result, -1) == ["7", "7"]
+    for message in pools(2).run(cc.raise_together_result, 1):
+        assert message.startswith("RuntimeError: saving failed on rank 1: OSError: disk full"), message
+
+
+@pytest.mark.parametrize("fail_on, names_differ", [(-1, False), (1, False), (-1, True)])
+def test_agree_each_step_is_one_small_all_reduce_unless_something_is_wrong(pools, fail_on, names_differ):
+    for res in pools(2).run(cc.agree_each_step_traffic, fail_on, names_differ):
+        assert res["reduced"] == [5], res  # [failed, n, -n, crc, -crc]
+        if fail_on < 0 and not names_differ:
+            assert res["error"] == "" and res["gathered"] == 0, res
+            continue
+        assert res["gathered"] == 1, res
+        if names_differ:
+            assert "the ranks disagree: aux loss names is ['aux'] on rank 0 but ['aux', 'z'] on rank 1" in res["error"]
+        else:
+            assert res["error"].startswith("RankError: train_step failed on rank 1: ValueError: bad batch"), res
+
+
+def test_reduce_scatter_fallback_is_decided_per_call(pools):
+    for res in pools(2).run(cc.reduce_scatter_without_backend_support):
+        assert res == {"emulated_ok": True, "native_ok": True, "native_calls_after": 1}, res
