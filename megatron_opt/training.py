@@ -19,7 +19,6 @@ backward so it overlaps with it.
 from __future__ import annotations
 
 import contextlib
-import zlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -95,22 +94,12 @@ def _batch_size(batch: Any) -> int:
 
 
 def _agree(group, failure: Optional[BaseException], aux_names: Optional[list]) -> None:
-    """One small MAX all-reduce of [failed, n_aux, -n_aux, aux signature, -signature]: every rank
-    learns whether any rank failed or returned other aux losses, and all raise RankError together."""
-    n = len(aux_names) if aux_names is not None else -1
-    signature = float(zlib.crc32(repr(aux_names).encode()) % (1 << 24)) if aux_names is not None else -1.0
-    flags = collectives.max_over_groups([1.0 if failure is not None else 0.0, n, -n, signature, -signature], [group])
-    failed, aux_differs = flags[0] > 0, flags[1] != -flags[2] or flags[3] != -flags[4]
-    if not failed and not aux_differs:
-        return
-    everyone = collectives.gather_failures(failure, group, payload=aux_names)
-    bad = [(r, m) for r, (m, _) in enumerate(everyone) if m is not None]
-    if bad:
-        r, m = bad[0]
-        raise RankError(f"train_step failed on rank {r}: {m}") from failure
-    names = {r: a for r, (_, a) in enumerate(everyone)}
-    raise RankError(f"train_step: the ranks' loss_fn returned different aux losses: {names}; every rank must "
-                    f"return the same aux names (return 0 for a term a rank does not have).")
+    """One small MAX all-reduce: every rank learns whether any rank failed or returned other aux
+    losses, and all raise RankError together."""
+    collectives.agree_each_step(
+        "train_step failed", failure, [group], fingerprint=[("aux loss names", aux_names)], error_type=RankError,
+        fix="The ranks' loss_fn returned different aux losses: every rank must return the same aux names "
+            "(return 0 for a term a rank does not have).")
 
 
 def canonical_lr(param_groups: Sequence[dict]) -> float:

@@ -11,9 +11,9 @@ exists and is not all zeros, and is then checkpointed with:
 
   megatron_opt    megatron_opt.DistributedDataParallel(use_distributed_optimizer=True) +
                   get_megatron_optimizer (bf16: bf16 model, fp32 masters), saved with
-                  megatron_opt.checkpoint.save (each rank writes the model-space boxes of the optimizer
+                  megatron_opt.checkpoint.Checkpointer.save (each rank writes the model-space boxes of the optimizer
                   elements it owns; DCP writes the replicated model once, spread over the ranks) and
-                  loaded with megatron_opt.checkpoint.load.
+                  loaded with Checkpointer.load.
   gather+torch.save  the same megatron_opt model and optimizer, checkpointed the way one would without
                   megatron_opt.checkpoint: every rank's owned optimizer elements (fp32 master, exp_avg,
                   exp_avg_sq, from opt.piece_states()) are concatenated and collected on rank 0 with one
@@ -202,19 +202,20 @@ class MegatronCheckpoint(Impl):
 
     def __init__(self, src: MegatronModel, dst: MegatronModel, root: Path) -> None:
         self.src, self.dst, self.root = src, dst, root
+        self.checkpointer = ckpt.Checkpointer()
 
     def folder(self, it):
         return directory.iteration_dir(self.root, it)
 
     def save(self, it):
-        ckpt.save(self.root, self.src.ddp, self.src.opt, iteration=it)
+        self.checkpointer.save(self.root, self.src.ddp, self.src.opt, iteration=it)
 
     def save_async(self, it):
-        ckpt.save(self.root, self.src.ddp, self.src.opt, iteration=it, async_save=True)
-        return ckpt.wait_for_pending_save
+        self.checkpointer.save(self.root, self.src.ddp, self.src.opt, iteration=it, async_save=True)
+        return self.checkpointer.wait_for_pending_save
 
     def load(self, it):
-        ckpt.load(self.root, self.dst.ddp, self.dst.opt, iteration=it)
+        self.checkpointer.load(self.root, self.dst.ddp, self.dst.opt, iteration=it)
 
     def written_bytes(self, it):
         return rank_files_bytes(self.folder(it), dist.get_rank())

@@ -7,20 +7,21 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable, Iterable, Optional
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 # --mo-states of bench_step.py and bench_optimizer_step.py: megatron_opt's optimizer-state options
 # (Megatron-LM's precision-aware optimizer fields of OptimizerConfig).
-MO_STATES = {
-    "fp32": dict(),
-    "bf16": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
-                 store_param_remainders=False),
-    "bf16+rem": dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
-                     exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True),
-}
+MO_STATES: Mapping[str, Mapping[str, object]] = MappingProxyType({
+    "fp32": MappingProxyType({}),
+    "bf16": MappingProxyType(dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                                  exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=False)),
+    "bf16+rem": MappingProxyType(dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+                                      exp_avg_sq_dtype=torch.bfloat16, store_param_remainders=True)),
+})
 
 
 # ---------------------------------------------------------------------------------------------- timing

@@ -324,9 +324,10 @@ def main() -> None:
     loss_fn = gpt_loss if args.loss_mode == "per_token" else gpt_mean_loss
     gbs = args.global_batch_size
     start_iteration = consumed_samples = 0
+    checkpointer = mo.checkpoint.Checkpointer()  # holds a background save (--async-save) in flight
     if args.load is not None and mo.checkpoint.latest_iteration(args.load) is not None:
-        state = mo.checkpoint.load(args.load, ddp, optimizer, scheduler, load_optimizer=not args.no_load_optim,
-                                   load_rng=not args.no_load_rng)
+        state = checkpointer.load(args.load, ddp, optimizer, scheduler, load_optimizer=not args.no_load_optim,
+                                  load_rng=not args.no_load_rng)
         start_iteration, consumed_samples = state.iteration, state.consumed_samples
         if state.rank_extra is not None and "data" in state.rank_extra:
             dataset.gen.set_state(state.rank_extra["data"])
@@ -337,9 +338,9 @@ def main() -> None:
                   f"now DP={world}) from {state.path}", flush=True)
 
     def save(iteration: int) -> None:
-        mo.checkpoint.save(args.save, ddp, optimizer, scheduler, iteration=iteration,
-                           consumed_samples=consumed_samples, rank_extra={"data": dataset.gen.get_state()},
-                           keep_latest_k=args.keep_latest_k, async_save=args.async_save)
+        checkpointer.save(args.save, ddp, optimizer, scheduler, iteration=iteration, consumed_samples=consumed_samples,
+                          rank_extra={"data": dataset.gen.get_state()}, keep_latest_k=args.keep_latest_k,
+                          async_save=args.async_save)
         if rank == 0:
             print(f"saved iteration {iteration} to {args.save}{' (in the background)' if args.async_save else ''}",
                   flush=True)
@@ -390,13 +391,12 @@ def main() -> None:
             interval_losses, interval_time = [], 0.0
         exiting = args.exit_interval is not None and step % args.exit_interval == 0
         if args.save is not None:
-            mo.checkpoint.check_pending_save()  # a failed background save stops every rank here
+            checkpointer.check_pending_save()  # a failed background save stops every rank here
             if (args.save_interval and step % args.save_interval == 0) or step == args.train_iters or exiting:
                 save(step)
         if exiting:
             break
-    if args.save is not None:
-        mo.checkpoint.wait_for_pending_save()
+    checkpointer.close()  # waits for a background save
     if json_log is not None:
         json_log.close()
     if tensorboard is not None:

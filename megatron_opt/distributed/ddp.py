@@ -90,8 +90,9 @@ class DistributedDataParallel(torch.nn.Module):
             local_error = str(exc)
         # One collective: a bad param on one rank, or ranks that wrap different models or configs,
         # raise on every rank here instead of hanging or training different params later.
-        collectives.check_ranks_agree(
-            "DistributedDataParallel", self._fingerprint(named), data_parallel_group, local_error,
+        collectives.agree(
+            "DistributedDataParallel", local_error, data_parallel_group, fingerprint=self._fingerprint(named),
+            error_type=ValueError,
             fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
                 "requires_grad) with the same DistributedDataParallelConfig.")
         # The ranks agree on the config, the DP size and whether expert params can be partially

@@ -74,9 +74,9 @@ class DistributedOptimizer(MegatronOptimizer):
         self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
                                   self.shard_group.step.device)
         groups = self.shard_group.stats_groups()
-        collectives.check_ranks_agree(
-            "DistributedOptimizer", self._fingerprint(), groups[0] if groups else None,
-            local_error=_overlap_with_step_error(config, model_chunks), error_type=InvalidConfigError,
+        collectives.agree(
+            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), groups[0] if groups else None,
+            fingerprint=self._fingerprint(), error_type=InvalidConfigError,
             fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
                 "param groups and loss scaler.")
 

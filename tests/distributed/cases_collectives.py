@@ -92,3 +92,15 @@ def reduce_scatter_without_backend_support() -> dict:
         for n, fn in real.items():
             setattr(dist, n, fn)
     return {"emulated_ok": emulated, "native_ok": native, "native_calls_after": len(native_calls)}
+
+
+def agree_each_step_over_two_groups(fail_on: int) -> str:
+    """World 4: groups[0] is {0, 1} or {2, 3}, the second group {0, 2} or {1, 3} (every rank creates
+    every group). A failure reaches every rank through the flags; the message names the failing rank
+    where it is in this rank's first group, else a peer."""
+    rank = dist.get_rank()
+    firsts = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    seconds = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = [firsts[rank // 2], seconds[rank % 2]]
+    failure = RuntimeError("kernel failed") if rank == fail_on else None
+    return _error_of(lambda: collectives.agree_each_step("the update failed", failure, groups, error_type=RankError))

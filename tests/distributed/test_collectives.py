@@ -48,3 +48,10 @@ def test_agree_each_step_is_one_small_all_reduce_unless_something_is_wrong(pools
 def test_reduce_scatter_fallback_is_decided_per_call(pools):
     for res in pools(2).run(cc.reduce_scatter_without_backend_support):
         assert res == {"emulated_ok": True, "native_ok": True, "native_calls_after": 1}, res
+
+
+def test_agree_each_step_reaches_ranks_through_later_groups(pools):
+    messages = pools(4).run(cc.agree_each_step_over_two_groups, 3)
+    peer = "RankError: the update failed on a rank of another process group (a model-parallel peer) | cause=None"
+    own = "RankError: the update failed on rank 1 (global rank 3): RuntimeError: kernel failed | cause="
+    assert messages == [peer, peer, own + "None", own + "RuntimeError"], messages

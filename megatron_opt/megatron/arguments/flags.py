@@ -50,23 +50,23 @@ class _Group:
     def __init__(self, group: Any, defaults: Mapping[str, Any], aliases: Mapping[str, str], dests: set[str]) -> None:
         self.group, self.defaults, self.aliases, self.dests = group, defaults, aliases, dests
 
-    def _names(self, flag: str) -> tuple[list[str], str]:
-        dest = flag[2:].replace("-", "_")
+    def _names(self, flag: str, dest: Optional[str]) -> tuple[list[str], str]:
+        dest = dest or flag[2:].replace("-", "_")
         self.dests.add(dest)
         return [flag, *([self.aliases[dest]] if dest in self.aliases else [])], dest
 
     def value(self, flag: str, type: Callable[[str], Any], default: Any = None, **kwargs: Any) -> None:
-        names, dest = self._names(flag)
+        names, dest = self._names(flag, None)
         default = self.defaults.get(dest, default)
         if dest in CONDITIONAL_DEFAULT_FLAGS:
             default = ConditionalDefault(default)
         self.group.add_argument(*names, dest=dest, type=type, default=default, action=_RecordTyped, **kwargs)
 
     def switch(self, flag: str, dest: Optional[str] = None, store: bool = True, **kwargs: Any) -> None:
-        names, own_dest = self._names(flag)
-        self.dests.add(dest or own_dest)
-        self.group.add_argument(*names, dest=dest or own_dest, action=_RecordTyped, nargs=0, const=store,
-                                default=not store, **kwargs)
+        """A flag without a value: ``dest`` becomes ``store`` (default: the opposite)."""
+        names, dest = self._names(flag, dest)
+        self.group.add_argument(*names, dest=dest, action=_RecordTyped, nargs=0, const=store,
+                                default=self.defaults.get(dest, not store), **kwargs)
 
 
 def _add_network_size_args(g: _Group) -> None:
