@@ -79,7 +79,8 @@ def _check_one_dtype(name: str, *tensors: torch.Tensor) -> None:
 
 
 def _reduce_scatter_op():
-    # torch 2.13 renamed reduce_scatter_tensor / all_gather_into_tensor (the old names warn).
+    # reduce_scatter_single / all_gather_single where torch has them (2.13 and 2.14 do; their old
+    # names reduce_scatter_tensor / all_gather_into_tensor warn there), else the old names.
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -280,20 +281,3 @@ def raise_together(fn: Callable[[], T], group: ProcessGroup = None, what: str = 
     agree(f"{what} failed" if what else "failed", failure, group, error_type=error_type)
     return result  # type: ignore[return-value]
 
-
-# ------------------------------------------------------------------ old call shapes, until their callers move
-# (training.py, optimizer/step_driver.py, distributed/ddp.py, optimizer/distrib_optimizer.py): delete then.
-def max_over_groups(values: list, groups: list) -> list:
-    flags = torch.tensor(values, dtype=torch.float64, device=flag_device(groups[0] if groups else None))
-    for group in groups:
-        all_reduce(flags, group, op=dist.ReduceOp.MAX)
-    return flags.tolist()
-
-
-def gather_failures(failure: Optional[BaseException], group: ProcessGroup = None, payload=None) -> list:
-    return gather_objects((None if failure is None else f"{type(failure).__name__}: {failure}", payload), group)
-
-
-def check_ranks_agree(what: str, fingerprint: list, group: ProcessGroup = None, local_error: Optional[str] = None,
-                      fix: str = "", error_type: type = ValueError) -> None:
-    agree(what, local_error, group, fingerprint=fingerprint, error_type=error_type, fix=fix)

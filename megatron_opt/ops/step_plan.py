@@ -2,8 +2,8 @@
 
 An optimizer step runs pass 1 (grad statistics) and pass 2 (the update) over many buckets. Walking
 them one launch and one Python call per bucket makes a step at large data-parallel sizes host- and
-launch-bound, so a ``StepPlan`` is built once per launch group (shards of one grad dtype and one
-param dtype, typically one buffer) and each pass is then one launch over all of them:
+launch-bound, so a ``StepPlan`` is built once for the shards launched together (one grad dtype and one
+param dtype, typically one buffer: the optimizer's ``LaunchPlan``) and each pass is then one launch over all of them:
 
 * a pointer table, one row per shard: the raw addresses of grad, master, up to two state arrays and
   param_out. The tensors are held by the plan and must never be reallocated (the optimizer only
@@ -55,7 +55,7 @@ def _phase(ptr: int, elem_size: int, vec: int) -> int:
 
 @dataclass
 class StepPlan:
-    """Shards of one launch group, cut into chunks once. ``update=False`` builds a stats-only plan
+    """The shards one launch covers, cut into chunks once. ``update=False`` builds a stats-only plan
     (grads alone)."""
 
     shards: tuple[ShardOperands, ...]

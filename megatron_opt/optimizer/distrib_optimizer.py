@@ -13,7 +13,7 @@ import torch
 from .. import collectives
 from ..errors import InvalidConfigError
 from ..distributed.shard_view import GradSource
-from ..megatron.configs import as_optimizer_config
+from ..config_conversion import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
 from .leaf import OptimizerLeaf

@@ -8,7 +8,7 @@ import torch
 from .. import collectives
 from ..config import OptimizerConfig
 from ..errors import InvalidConfigError, UnsupportedConfigError
-from ..megatron.configs import as_optimizer_config, is_ours
+from ..config_conversion import as_optimizer_config, is_ours
 from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer

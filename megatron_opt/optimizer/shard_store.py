@@ -23,6 +23,7 @@ from .. import collectives
 from ..distributed.shard_view import GradSource, LocalShard
 from ..ops import precision
 from ..ops.piece_table import PieceTable
+from .param_groups import group_weight_decay
 from .update_rules import UpdateRule
 
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce",
@@ -94,7 +95,7 @@ class ShardStore:
                 self._group_of[id(p)] = gi
             options = {k: v for k, v in group.items() if k != "params"}
             options.setdefault("lr", lr)
-            options.setdefault("weight_decay", weight_decay * options.get("wd_mult", 1.0))
+            options.setdefault("weight_decay", group_weight_decay(weight_decay, options))
             out.append({"params": [], **options})
         missing = [name for pid, (name, _) in managed.items() if pid not in self._group_of]
         if missing:

@@ -88,7 +88,7 @@ def test_config_needs_the_distributed_optimizer():
 
 def test_megatron_core_config_converts():
     from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
-    from megatron_opt.megatron.configs import as_optimizer_config
+    from megatron_opt.config_conversion import as_optimizer_config
 
     core = CoreOptimizerConfig(lr=1e-3, use_distributed_optimizer=True, overlap_param_gather_with_optimizer_step=True)
     assert as_optimizer_config(core).overlap_param_gather_with_optimizer_step is True

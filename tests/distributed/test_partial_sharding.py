@@ -92,7 +92,7 @@ def test_instances_need_the_distributed_optimizer():
 
 def test_megatron_core_config_converts():
     from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
-    from megatron_opt.megatron.configs import as_ddp_config
+    from megatron_opt.config_conversion import as_ddp_config
 
     ours = as_ddp_config(CoreDDPConfig(num_distributed_optimizer_instances=2, use_distributed_optimizer=True))
     assert ours.num_distributed_optimizer_instances == 2

@@ -75,7 +75,7 @@ def test_precision_aware_config_validation():
 
 
 def test_megatron_core_precision_aware_fields_convert():
-    from megatron_opt.megatron.configs import as_optimizer_config
+    from megatron_opt.config_conversion import as_optimizer_config
 
     core = pytest.importorskip("megatron.core.optimizer")
     # megatron-core 0.16.1's own __post_init__ demands Transformer Engine for use_precision_aware_optimizer,

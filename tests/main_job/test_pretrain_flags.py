@@ -108,7 +108,8 @@ def _run(args) -> SimpleNamespace:
     model = pretrain_gpt.GPT(10, args)
     block = model.blocks[0]
     return SimpleNamespace(
-        ddp_config=megatron_args.ddp_config_from_args(args), optimizer_config=megatron_args.optimizer_config_from_args(args),
+        ddp_config=megatron_args.ddp_config_from_args(args),
+        optimizer_config=megatron_args.optimizer_config_from_args(args),
         scheduler_kwargs=megatron_args.scheduler_kwargs_from_args(args),
         model_dtype=megatron_args.params_dtype_from_args(args), loss_mode=megatron_args.loss_mode_from_args(args),
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,

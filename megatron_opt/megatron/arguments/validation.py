@@ -9,7 +9,9 @@ import re
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from ...scheduler import OptimizerParamScheduler
 from .flags import FLAG_ALIASES, TYPED_FLAGS, ConditionalDefault
+from .mapping import ddp_config_from_args, optimizer_config_from_args, scheduler_kwargs_from_args
 
 
 class MegatronArgumentError(ValueError):
@@ -247,9 +249,6 @@ CONFIG_FIELD_FLAGS: Mapping[str, str] = MappingProxyType({
 def _check_configs(args: argparse.Namespace) -> None:
     """Everything megatron_opt checks itself (ranges of betas, eps, clip, hysteresis, the schedule),
     before any process group; its messages name config fields, which become flags here."""
-    from .mapping import ddp_config_from_args, optimizer_config_from_args, scheduler_kwargs_from_args
-    from ...scheduler import OptimizerParamScheduler
-
     try:
         ddp_config_from_args(args)
         optimizer_config_from_args(args)
