@@ -71,37 +71,23 @@ def _release(group: Optional[Any]) -> None:
         dist.destroy_process_group(group)
 
 
-class _PeerFailure(CheckpointError):
-    """A collective failed: a rank died or stopped answering (raised on each survivor on its own)."""
-
-
 def _peer_failure(what: str, exc: BaseException) -> CheckpointError:
-    return _PeerFailure(f"{what} failed: a collective with the other ranks failed, so a rank died or stopped "
-                        f"answering ({type(exc).__name__}: {exc})")
+    return CheckpointError(f"{what} failed: a collective with the other ranks failed, so a rank died or stopped "
+                           f"answering ({type(exc).__name__}: {exc})")
 
 
-def _together(fn: Callable[[], T], what: str) -> T:
-    """collectives.raise_together over the default group. When the agreement itself fails (a rank died,
-    or stopped answering until the group's timeout), raise a CheckpointError on this rank instead of
-    the backend's error: the others cannot be told, and each survivor gets here on its own."""
+def _together(fn: Callable[[], T], what: str, group: Optional[Any] = None) -> T:
+    """collectives.raise_together over the default group, then destroy ``group`` (the operation's),
+    which every rank is done with. When the agreement itself fails (a rank died, or stopped answering
+    until the group's timeout), raise a CheckpointError on this rank instead of the backend's error,
+    since the others cannot be told, and leave ``group`` alone: its peers may be gone."""
     try:
-        return collectives.raise_together(fn, None, what, CheckpointError)
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise _peer_failure(what, exc) from exc
-
-
-def _together_then_release(fn: Callable[[], T], what: str, group: Optional[Any]) -> T:
-    """_together, then destroy ``group`` once every rank is done with it (an agreed error included);
-    after a peer failure the group is left alone: its peers may be gone."""
-    try:
-        result = _together(fn, what)
-    except _PeerFailure:
-        raise
+        result = collectives.raise_together(fn, None, what, CheckpointError)
     except CheckpointError:
         _release(group)
         raise
+    except Exception as exc:
+        raise _peer_failure(what, exc) from exc
     _release(group)
     return result
 
@@ -178,7 +164,7 @@ class Checkpointer:
         if async_save:
             self._pending = _PendingSave(it, job, group)
             return
-        _together_then_release(job, f"checkpoint save of iteration {it}", group)
+        _together(job, f"checkpoint save of iteration {it}", group)
 
     def check_pending_save(self, block: bool = False) -> None:
         """Finish a background save if it is done on every rank (or wait for it with ``block``), and raise
@@ -200,7 +186,7 @@ class Checkpointer:
             return
         self._pending = None
         pending.thread.join()
-        _together_then_release(pending.report, what, pending.group)
+        _together(pending.report, what, pending.group)
 
     def wait_for_pending_save(self) -> None:
         """Block until a background save finished everywhere; raise its error on every rank."""
@@ -259,7 +245,7 @@ class Checkpointer:
             if scheduler is not None:
                 validation.dry_run_scheduler_load(scheduler, dest["scheduler"], folder)
 
-        _together_then_release(read, f"checkpoint load from {folder}", group)
+        _together(read, f"checkpoint load from {folder}", group)
         model_space.apply_loaded_state(dest, chunks, opt, scheduler)
         if optimizer is not None and not load_optimizer:
             optimizer.reload_model_params()
