@@ -175,7 +175,6 @@ class Checkpointer:
         if block:
             pending.thread.join()
         what = f"background checkpoint save of iteration {pending.iteration}"
-
         done = torch.tensor([0.0 if pending.thread.is_alive() else 1.0], device=collectives.flag_device(None))
         if collectives.world_size(None) > 1:
             try:
