@@ -24,15 +24,16 @@ def pools():
 
 @pytest.fixture(params=["cpu-bypass", "cuda"])
 def wrapper(request, monkeypatch):
-    """(megatron_opt.ops.cuda, device) for the ops wrapper tests: on a GPU, or on the CPU with the
-    wrapper's device check bypassed so that CPU tensors reach the compiled module's own checks."""
+    """(backend, device) for the tests of the CUDA wrapper (ops.cuda), called through the public
+    fronts with backend="cuda-ext": on a GPU, or on the CPU with the wrapper's device check
+    (``ops.cuda.cuda_device``) replaced so that CPU tensors reach the compiled module's own checks."""
     if not ops.HAS_CUDA_EXT:
         pytest.skip(f"extension not built: {ops.CUDA_EXT_ERROR}")
-    from megatron_opt.ops import cuda as impl
+    from megatron_opt.ops import cuda as cuda_wrapper
 
     if request.param == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("no CUDA device")
-        return impl, torch.device("cuda")
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
-    return impl, torch.device("cpu")
+        return "cuda-ext", torch.device("cuda")
+    monkeypatch.setattr(cuda_wrapper, "cuda_device", lambda op, grad: grad.device)
+    return "cuda-ext", torch.device("cpu")

@@ -1,8 +1,11 @@
 """The step's fused operations, behind one typed front per op.
 
-Three implementations share the signatures and semantics of ``ops.reference`` (the spec):
-``"cuda-ext"`` (the compiled ``megatron_opt._C``, wrapped by ``ops.cuda``), ``"cpu"`` (torch's fused
-CPU kernels, checked against the reference in tests) and ``"reference"``. Every front takes
+The fronts below own each op's signature. They pack the arguments into the records of
+``ops/op_args.py`` (``ShardOperands``, ``LrWd``, ``StatsArgs``, ``AdamWArgs``, ``SGDArgs``,
+``LionArgs``) and call the backend's function of the same name, ``op(shard, args)`` for pass 1 and
+``op(shard, lr_wd, args)`` for pass 2. Three backends share the semantics of ``ops.reference`` (the
+spec): ``"cuda-ext"`` (the compiled ``megatron_opt._C``, wrapped by ``ops.cuda``), ``"cpu"`` (torch's
+fused CPU kernels, checked against the reference in tests) and ``"reference"``. Every front takes
 ``backend``: ``"auto"`` picks by the tensor's device (CUDA tensors go to the extension when it was
 built, else to the reference; CPU tensors go to ``cpu``). The environment is only an override, for
 debugging: MEGATRON_OPT_OPS=reference|cpu forces that backend; MEGATRON_OPT_DISABLE_CUDA_EXT=1
@@ -17,8 +20,9 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from . import cpu, reference
+from .op_args import AdamWArgs, LionArgs, LrWd, SGDArgs, ShardOperands, StatsArgs, UpdateArgs
 from .piece_table import PieceTable, full_table
-from .step_plan import DeviceHyperparams, ShardOperands, StepPlan, lr_wd_table
+from .step_plan import DeviceHyperparams, StepPlan, lr_wd_table
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 from .precision import MASTER_DTYPES, STATE_DTYPES
 
@@ -67,7 +71,7 @@ def backend_for(t: torch.Tensor) -> str:
 def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
                count_zeros: bool = True, *, backend: Backend = "auto") -> None:
     """stats += [non-finite count, sum of (grad*inv_scale)^2 over in-norm pieces, zero count]."""
-    _impl(grad, backend).grad_stats(grad, table, inv_scale, stats, count_zeros)
+    _impl(grad, backend).grad_stats(ShardOperands(table, grad), StatsArgs(inv_scale, stats, count_zeros))
 
 
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
@@ -76,43 +80,48 @@ def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *
 
 
 # ---------------------------------------------------------------------------------------- pass 2
+# ``grad_scale`` of the update ops is the one gradient multiplier: the caller has folded every factor
+# into it (unscale, 1/loss scale, the clip coefficient) as one fp32 device scalar.
+def _update(shard: ShardOperands, lr: Sequence[float], weight_decay: Sequence[float], args: UpdateArgs,
+            backend: str) -> None:
+    getattr(_impl(shard.grad, backend), args.op)(shard, LrWd(lr, weight_decay), args)
+
+
 def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
                weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor, beta1: float,
                beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
                stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
-    _impl(grad, backend).adamw_step(grad, master, exp_avg, exp_avg_sq, param_out, table, lr=lr,
-                                    weight_decay=weight_decay, grad_scale=grad_scale, step=step, beta1=beta1,
-                                    beta2=beta2, eps=eps, found_inf=found_inf, stochastic_rounding=stochastic_rounding)
+    """AdamW on one shard; moments and master may be 16-bit (see ops/precision.py)."""
+    _update(ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out), lr, weight_decay,
+            AdamWArgs(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1, beta2=beta2, eps=eps,
+                      stochastic_rounding=stochastic_rounding), backend)
 
 
 def sgd_step(grad: torch.Tensor, master: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
              param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
              weight_decay: Sequence[float], grad_scale: torch.Tensor, momentum: float, nesterov: bool = False,
              found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
-    _impl(grad, backend).sgd_step(grad, master, momentum_buffer, param_out, table, lr=lr,
-                                  weight_decay=weight_decay, grad_scale=grad_scale, momentum=momentum,
-                                  nesterov=nesterov, found_inf=found_inf)
+    """SGD on one shard; ``momentum_buffer`` may be None when momentum is 0."""
+    state = () if momentum_buffer is None else (momentum_buffer,)
+    _update(ShardOperands(table, grad, master, state, param_out), lr, weight_decay,
+            SGDArgs(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum, nesterov=nesterov), backend)
 
 
 def lion_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, param_out: Optional[torch.Tensor],
               table: PieceTable, *, lr: Sequence[float], weight_decay: Sequence[float], grad_scale: torch.Tensor,
               beta1: float, beta2: float, found_inf: Optional[torch.Tensor] = None,
               backend: Backend = "auto") -> None:
-    _impl(grad, backend).lion_step(grad, master, exp_avg, param_out, table, lr=lr, weight_decay=weight_decay,
-                                   grad_scale=grad_scale, beta1=beta1, beta2=beta2, found_inf=found_inf)
+    """Lion on one shard."""
+    _update(ShardOperands(table, grad, master, (exp_avg,), param_out), lr, weight_decay,
+            LionArgs(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2), backend)
 
 
 # ---------------------------------------------------------------------------------------- planned
 # One call per pass over every shard of a StepPlan: one launch on the CUDA extension; the torch
-# backends walk the shards through the single-shard ops above (same results, same arguments).
+# backends walk the plan's shards (ShardOperands) through their single-shard ops (same results).
 def _plan_impl(plan: StepPlan, backend: str) -> Optional[ModuleType]:
     return _impl(plan.shards[0].grad, backend) if plan.shards else None
-
-
-def _host_groups(lr_wd: torch.Tensor) -> tuple[list[float], list[float]]:
-    pairs = lr_wd.tolist()
-    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True, *,
@@ -121,57 +130,52 @@ def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Ten
     impl = _plan_impl(plan, backend)
     if impl is None:
         return
+    args = StatsArgs(inv_scale, stats, count_zeros)
     if impl is _cuda_impl:
-        impl.grad_stats_planned(plan, inv_scale, stats, count_zeros)
+        impl.grad_stats_planned(plan, args)
         return
     for s in plan.shards:
-        impl.grad_stats(s.grad, s.table, inv_scale, stats, count_zeros)
+        impl.grad_stats(s, args)
 
 
-def _update_planned(op: str, plan: StepPlan, shard_operands, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor,
-                    backend: str, **hyper) -> None:
-    """Pass 2 ``op`` over every shard of ``plan``: one ``<op>_planned`` launch on the CUDA extension;
-    on a torch backend the single-shard ``op`` per shard, with ``shard_operands(shard)`` giving its
-    tensors between grad and table. ``hyper``: the op's own arguments, found_inf included."""
+def _update_planned(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs, backend: str) -> None:
+    """Pass 2 (``args.op``) over every shard of ``plan``: one ``<op>_planned`` launch on the CUDA
+    extension; on a torch backend the single-shard op per shard, with the lr table read on the host."""
     impl = _plan_impl(plan, backend)
     if impl is None:
         return
     if impl is _cuda_impl:
-        getattr(impl, f"{op}_planned")(plan, lr_wd=lr_wd, grad_scale=grad_scale, **hyper)
+        getattr(impl, f"{args.op}_planned")(plan, lr_wd, args)
         return
-    plan.check_groups(lr_wd, op)
-    lr, wd = _host_groups(lr_wd)
-    step_op = getattr(impl, op)
+    plan.check_groups(lr_wd, args.op)
+    host_lr_wd = LrWd.from_table(lr_wd)
+    step_op = getattr(impl, args.op)
     for s in plan.shards:
-        step_op(s.grad, *shard_operands(s), s.table, lr=lr, weight_decay=wd, grad_scale=grad_scale, **hyper)
+        step_op(s, host_lr_wd, args)
 
 
-# ``grad_scale`` of the update ops is the one gradient multiplier: the caller has folded every factor
-# into it (unscale, 1/loss scale, the clip coefficient) as one fp32 device scalar.
 def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
                        beta1: float, beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
                        stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
     """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2].
     Moments and masters may be 16-bit (see ops/precision.py)."""
-    _update_planned("adamw_step", plan, lambda s: (s.master, s.state[0], s.state[1], s.param_out), lr_wd=lr_wd,
-                    grad_scale=grad_scale, backend=backend, step=step, beta1=beta1, beta2=beta2, eps=eps,
-                    found_inf=found_inf, stochastic_rounding=stochastic_rounding)
+    _update_planned(plan, lr_wd, AdamWArgs(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1,
+                                           beta2=beta2, eps=eps, stochastic_rounding=stochastic_rounding), backend)
 
 
 def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
                      nesterov: bool = False, found_inf: Optional[torch.Tensor] = None,
                      backend: Backend = "auto") -> None:
     """SGD over every shard of ``plan``; shard state is (momentum_buffer,) when momentum != 0, else ()."""
-    _update_planned("sgd_step", plan, lambda s: (s.master, s.state[0] if s.state else None, s.param_out),
-                    lr_wd=lr_wd, grad_scale=grad_scale, backend=backend, momentum=momentum, nesterov=nesterov,
-                    found_inf=found_inf)
+    _update_planned(plan, lr_wd, SGDArgs(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum,
+                                         nesterov=nesterov), backend)
 
 
 def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
                       found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
     """Lion over every shard of ``plan``; shard state is (exp_avg,)."""
-    _update_planned("lion_step", plan, lambda s: (s.master, s.state[0], s.param_out), lr_wd=lr_wd,
-                    grad_scale=grad_scale, backend=backend, beta1=beta1, beta2=beta2, found_inf=found_inf)
+    _update_planned(plan, lr_wd, LionArgs(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2),
+                    backend)
 
 
 __all__ = [

@@ -6,6 +6,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from .op_args import ShardOperands, UpdateArgs
 from .piece_table import PieceTable
 
 
@@ -47,3 +48,10 @@ def gaps_kept(table: PieceTable, *outputs: Optional[torch.Tensor]) -> Iterator[N
 def is_skipped(found_inf: Optional[torch.Tensor]) -> bool:
     """A pass-2 op given a nonzero device flag writes nothing (the host reads it here)."""
     return found_inf is not None and bool(found_inf.item() != 0)
+
+
+def update_span(shard: ShardOperands, args: UpdateArgs) -> Optional[tuple[int, int]]:
+    """The [first start, last end) a pass-2 op sweeps on ``shard``, or None when it writes nothing
+    (no pieces, or a nonzero ``found_inf``)."""
+    span = shard.table.span()
+    return None if span is None or is_skipped(args.found_inf) else span

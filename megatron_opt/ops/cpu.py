@@ -14,21 +14,20 @@ and pass 2 writes piece elements only (the fused loops sweep whole runs, gaps in
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
 
 import torch
 
 from . import precision, reference
-from .common import gaps_kept, is_skipped, sum_of_squares, zero_gaps
-from .piece_table import PieceTable
+from .common import gaps_kept, sum_of_squares, update_span, zero_gaps
+from .op_args import AdamWArgs, LrWd, ShardOperands, StatsArgs
 
 advance_step = reference.advance_step
 sgd_step = reference.sgd_step
 lion_step = reference.lion_step  # torch has no fused Lion; the reference is already one pass of vector ops
 
 
-def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
-               count_zeros: bool = True) -> None:
+def grad_stats(shard: ShardOperands, args: StatsArgs) -> None:
+    grad, table = shard.grad, shard.table
     span = table.span()
     if span is None:
         return
@@ -41,55 +40,41 @@ def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, s
     else:  # rare: count exactly, over the pieces only
         nonfinite = int(sum(torch.isfinite(grad[s:e]).logical_not_().sum() for s, e in zip(table.starts, table.ends)))
     zeros = 0
-    if count_zeros:
+    if args.count_zeros:
         flat = grad[span[0] : span[1]]
         zeros = flat.numel() - int(torch.count_nonzero(flat)) - table.padding_in_span()
-    sumsq = in_norm * inv_scale.double().square().reshape(())
-    stats.add_(torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), sumsq,
+    sumsq = in_norm * args.inv_scale.double().square().reshape(())
+    args.stats.add_(torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), sumsq,
                             torch.tensor(float(zeros), dtype=torch.float64)]))
 
 
-def adamw_step(
-    grad: torch.Tensor,
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    param_out: Optional[torch.Tensor],
-    table: PieceTable,
-    *,
-    lr: Sequence[float],
-    weight_decay: Sequence[float],
-    grad_scale: torch.Tensor,
-    step: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    found_inf: Optional[torch.Tensor] = None,
-    stochastic_rounding: bool = False,
-) -> None:
-    span = table.span()
-    if span is None or is_skipped(found_inf):
+def adamw_step(shard: ShardOperands, lr_wd: LrWd, args: AdamWArgs) -> None:
+    span = update_span(shard, args)
+    if span is None:
         return
     a, b = span
-    g = grad[a:b].float() * grad_scale  # a new tensor: the grad buffer is never written
-    step_f = step.to(torch.float32).reshape(())
+    g = shard.grad[a:b].float() * args.grad_scale  # a new tensor: the grad buffer is never written
+    step_f = args.step.to(torch.float32).reshape(())
     by_group: dict[int, list] = {}
-    for s, e, gid in table.group_runs():
+    for s, e, gid in shard.table.group_runs():
         by_group.setdefault(gid, []).append((s - a, e - a))
+    master, param_out, exp_avg, exp_avg_sq = shard.master, shard.param_out, shard.state[0], shard.state[1]
     po = None if param_out is None else param_out[a:b]
-    with gaps_kept(table, master, exp_avg, exp_avg_sq, param_out):
+    stochastic_rounding = args.stochastic_rounding
+    with gaps_kept(shard.table, master, exp_avg, exp_avg_sq, param_out):
         # 16-bit state (ops/precision.py): torch's fused loop needs fp32 params and state, so it runs
         # on widened copies (views when already fp32), which are rounded back once afterwards.
         w, m, v = precision.load_master(master[a:b], po), exp_avg[a:b].float(), exp_avg_sq[a:b].float()
         for gid, runs in by_group.items():
             torch._fused_adamw_(
                 [w[s:e] for s, e in runs], [g[s:e] for s, e in runs], [m[s:e] for s, e in runs],
-                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr[gid]), beta1=beta1, beta2=beta2,
-                weight_decay=float(weight_decay[gid]), eps=eps, amsgrad=False, maximize=False,
+                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr_wd.lr[gid]), beta1=args.beta1,
+                beta2=args.beta2, weight_decay=float(lr_wd.weight_decay[gid]), eps=args.eps, amsgrad=False,
+                maximize=False,
             )
         if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
             index = torch.arange(a, b) if stochastic_rounding else None
-            step_i = int(step.reshape(())) if stochastic_rounding else 0
+            step_i = int(args.step.reshape(())) if stochastic_rounding else 0
             precision.store_state(m, exp_avg[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=0)
             precision.store_state(v, exp_avg_sq[a:b], stochastic=stochastic_rounding, index=index, step=step_i, slot=1)
         precision.store_master(w, master[a:b], po)

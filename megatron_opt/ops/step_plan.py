@@ -23,8 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .op_args import ShardOperands
 from .operand_checks import check_plan_shards
-from .piece_table import PieceTable
 from .precision import FLOAT_DTYPES
 
 CHUNK = 32768  # elements per chunk at most: 4 (bf16) to 8 (fp32) unrolled iterations of a 256-thread block
@@ -35,17 +35,6 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/co
 MASTER_CODES = {torch.float32: 0, torch.float16: 2, torch.int16: 3}  # 3: remainder (csrc/common.cuh kCodeRem)
 _IN_NORM_BIT = 32
 _PHASE_SHIFT = 40
-
-
-@dataclass(frozen=True)
-class ShardOperands:
-    """One shard's flat tensors for a step: the table's coordinates index them directly."""
-
-    table: PieceTable
-    grad: torch.Tensor
-    master: Optional[torch.Tensor] = None  # None for a stats-only plan
-    state: tuple[torch.Tensor, ...] = ()
-    param_out: Optional[torch.Tensor] = None
 
 
 def _phase(ptr: int, elem_size: int, vec: int) -> int:

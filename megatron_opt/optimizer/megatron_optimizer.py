@@ -33,12 +33,17 @@ class MegatronOptimizer:
         """Hand this optimizer's step to ``chain`` (ChainedOptimizer calls this once per child)."""
         if self._chained_into is not None:
             raise ValueError("an optimizer can belong to one ChainedOptimizer only.")
-        self._driver, self._chained_into = chain._driver, chain
+        self._driver, self._chained_into = chain.step_driver, chain
 
     @property
     def chained_into(self) -> Optional["MegatronOptimizer"]:
         """The ChainedOptimizer that steps this one, or None."""
         return self._chained_into
+
+    @property
+    def step_driver(self) -> StepDriver:
+        """The StepDriver that steps this optimizer's leaves (a chained child's is the chain's)."""
+        return self._driver
 
     def _stepping_driver(self, what: str) -> StepDriver:
         if self._chained_into is not None:

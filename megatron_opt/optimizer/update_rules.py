@@ -2,8 +2,9 @@
 
 A rule declares its state tensors and their dtypes, allocates them for a shard, and dispatches
 pass 2 to ``megatron_opt.ops`` (reference, CPU or CUDA, by the backend it is given). Adding a rule
-is one class here plus its op in ``ops.reference`` / ``ops.cpu`` / ``ops.cuda`` (run over a StepPlan); everything that
-walks optimizer state (skips, state dicts, checkpoints) reads ``state_dtypes`` and needs no change.
+is one class here plus its op: a front in ``ops/__init__.py``, an argument record in ``ops/op_args.py``
+and the backend functions in ``ops.reference`` / ``ops.cpu`` / ``ops.cuda`` (run over a StepPlan); everything
+that walks optimizer state (skips, state dicts, checkpoints) reads ``state_dtypes`` and needs no change.
 """
 from __future__ import annotations
 

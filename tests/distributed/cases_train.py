@@ -335,25 +335,36 @@ def run_op_count(ga: int, steps: int = 2, inject_extra_pass: bool = False) -> di
 def run_prescale_vs_postscale(ga: int = 4, steps: int = 2) -> dict:
     """T3.3: train_step's per_token path (no pre-scale, 1/N in the unscale scalar) against an explicit
     post-scaled reference (raw-sum backward over the global batch, then .grad / N_global), SGD lr 1.
-    Also spies every collectives.all_reduce and records which function made the call."""
+    Also spies every collectives.all_reduce and records the phase it was made in, through public
+    functions only: "optimizer.step" (inside the optimizer's step()), "agreement" (inside
+    collectives.agree_each_step, outside the step) or "train_step" (train_step's own)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = TinyLM(torch.float32)
     ref = fp64_copy(model)
     ddp, opt = build(model, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0, lr=1.0)
     calls: list = []
-    inner = mo_collectives.all_reduce
+    state = {"step": 0, "phase": "train_step"}
+    inner_all_reduce, inner_agree, inner_step = mo_collectives.all_reduce, mo_collectives.agree_each_step, opt.step
+
+    def in_phase(phase, fn):
+        def wrapped(*a, **k):
+            outer = state["phase"]
+            state["phase"] = phase if outer == "train_step" else outer  # the outermost phase names the call
+            try:
+                return fn(*a, **k)
+            finally:
+                state["phase"] = outer
+        return wrapped
 
     def spy(tensor, group, *a, **k):
-        frame = sys._getframe(1)
-        while frame.f_globals.get("__name__") == "megatron_opt.collectives":  # report who asked the helper
-            frame = frame.f_back
-        calls.append({"step": state["step"], "caller": f"{frame.f_globals.get('__name__')}.{frame.f_code.co_name}",
-                      "numel": tensor.numel(), "dtype": str(tensor.dtype)})
-        return inner(tensor, group, *a, **k)
+        calls.append({"step": state["step"], "phase": state["phase"], "numel": tensor.numel(),
+                      "dtype": str(tensor.dtype)})
+        return inner_all_reduce(tensor, group, *a, **k)
 
-    state = {"step": 0}
     rel_diffs: list = []
     mo_collectives.all_reduce = spy
+    mo_collectives.agree_each_step = in_phase("agreement", inner_agree)
+    opt.step = in_phase("optimizer.step", inner_step)
     try:
         for step in range(steps):
             batches = global_batch(world * ga, mb_size=2, seed=60 + step, ragged=True)
@@ -384,5 +395,6 @@ def run_prescale_vs_postscale(ga: int = 4, steps: int = 2) -> dict:
                     }
             rel_diffs.append({"diffs": diffs, "N": total, "num_tokens": res.num_tokens})
     finally:
-        mo_collectives.all_reduce = inner
+        mo_collectives.all_reduce, mo_collectives.agree_each_step = inner_all_reduce, inner_agree
+        del opt.step
     return {"steps": rel_diffs, "calls": calls}

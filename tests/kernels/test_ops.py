@@ -20,8 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
-from megatron_opt.ops import cpu as cpu_impl
-from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
@@ -250,7 +248,7 @@ def test_reference_grad_stats(n, layout, dtype, specials):
     grad = make_grad(table, dtype, seed=n, specials=specials)
     inv = torch.tensor([0.25])
     stats = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # accumulates
-    ref.grad_stats(grad, table, inv, stats)
+    ops.grad_stats(grad, table, inv, stats, backend="reference")
     nf, ss, z = oracle_stats(grad, table, 0.25)
     assert_stats(stats - torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), (nf, ss, z), "reference")
 
@@ -260,7 +258,7 @@ def test_reference_grad_stats_count_zeros_flag(count_zeros):
     table = gapped_table(1000)
     grad = make_grad(table, torch.float32, seed=1)
     stats = torch.zeros(3, dtype=torch.float64)
-    ref.grad_stats(grad, table, torch.tensor([1.0]), stats, count_zeros=count_zeros)
+    ops.grad_stats(grad, table, torch.tensor([1.0]), stats, count_zeros=count_zeros, backend="reference")
     assert_stats(stats, oracle_stats(grad, table, 1.0, count_zeros))
     assert (stats[2] > 0) == count_zeros
 
@@ -272,7 +270,7 @@ def test_reference_excluded_pieces_not_in_norm():
     grad[10:20] = 1e6  # excluded: must not reach the norm
     grad[30:33] = 2.0
     stats = torch.zeros(3, dtype=torch.float64)
-    ref.grad_stats(grad, table, torch.tensor([0.5]), stats)
+    ops.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
     assert stats[1].item() == pytest.approx(0.25 * (8 * 1.0 + 3 * 4.0))
     assert stats[0].item() == 0 and stats[2].item() == 0
 
@@ -294,8 +292,8 @@ def test_reference_adamw(n, layout, gdtype, pdtype):
     param_out = None if pdtype is None else torch.zeros(n, dtype=pdtype)
     gs, step = 0.5, 3
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, gs, step)
-    ref.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([gs]),
-                   step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS)
+    ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([gs]),
+                   step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(v, V, "exp_avg_sq")
     assert_fp32_close(master, W, "master")
@@ -314,8 +312,8 @@ def test_reference_sgd(n, layout, gdtype, momentum, nesterov):
     buf = buf if momentum else None
     param_out = torch.zeros(n, dtype=torch.bfloat16)
     W, B = oracle_sgd(grad, master, buf, table, LR, WD, 2.0, momentum, nesterov)
-    ref.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([2.0]),
-                 momentum=momentum, nesterov=nesterov)
+    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([2.0]),
+                 momentum=momentum, nesterov=nesterov, backend="reference")
     assert_fp32_close(master, W, "master")
     if buf is not None:
         assert_fp32_close(buf, B, "momentum_buffer")
@@ -325,7 +323,7 @@ def test_reference_sgd(n, layout, gdtype, momentum, nesterov):
 @pytest.mark.parametrize("found,advances", [(None, True), (0.0, True), (1.0, False), (math.nan, False), (math.inf, False)])
 def test_reference_advance_step(found, advances):
     step = torch.tensor([5])
-    ref.advance_step(step, None if found is None else torch.tensor([found]))
+    ops.advance_step(step, None if found is None else torch.tensor([found]), backend="reference")
     assert step.item() == (6 if advances else 5)
 
 
@@ -337,13 +335,13 @@ def test_reference_found_inf_skips_everything(found):
     param_out = master.to(torch.bfloat16)
     flag = torch.tensor([found])
     before = snapshot(master, m, v, param_out)
-    ref.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
-                   step=torch.tensor([1]), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=flag)
+    ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
+                   step=torch.tensor([1]), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=flag, backend="reference")
     assert_bitwise_unchanged(before, [master, m, v, param_out], ["master", "exp_avg", "exp_avg_sq", "param_out"])
     buf = torch.randn(5000)
     before = snapshot(master, buf, param_out)
-    ref.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
-                 momentum=0.9, found_inf=flag)
+    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
+                 momentum=0.9, found_inf=flag, backend="reference")
     assert_bitwise_unchanged(before, [master, buf, param_out], ["master", "momentum_buffer", "param_out"])
 
 
@@ -360,9 +358,9 @@ def test_reference_adamw_matches_torch_adamw_trajectory():
         g = torch.randn(n, generator=gen)
         p.grad = g.clone()
         opt.step()
-        ref.advance_step(step)
-        ref.adamw_step(g, master, m, v, None, table, lr=[1e-2], weight_decay=[0.1], grad_scale=torch.ones(1),
-                       step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
+        ops.advance_step(step, backend="reference")
+        ops.adamw_step(g, master, m, v, None, table, lr=[1e-2], weight_decay=[0.1], grad_scale=torch.ones(1),
+                       step=step, beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     _assert_within(master, p.detach(), rtol=1e-5, atol=1e-6, what="master vs torch")
     _assert_within(m, opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-7, what="exp_avg vs torch")
 
@@ -378,8 +376,8 @@ def test_reference_sgd_matches_torch_sgd_trajectory():
         g = torch.randn(n, generator=gen)
         p.grad = g.clone()
         opt.step()
-        ref.sgd_step(g, master, buf, None, table, lr=[1e-2], weight_decay=[0.01], grad_scale=torch.ones(1),
-                     momentum=0.9, nesterov=True)
+        ops.sgd_step(g, master, buf, None, table, lr=[1e-2], weight_decay=[0.01], grad_scale=torch.ones(1),
+                     momentum=0.9, nesterov=True, backend="reference")
     _assert_within(master, p.detach(), rtol=1e-5, atol=1e-6, what="master vs torch")
 
 
@@ -403,12 +401,12 @@ def random_tables(draw):
 def test_reference_random_tables(table, dtype, seed):
     grad = make_grad(table, dtype, seed=seed, finite_specials=True)
     stats = torch.zeros(3, dtype=torch.float64)
-    ref.grad_stats(grad, table, torch.tensor([0.5]), stats)
+    ops.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
     assert_stats(stats, oracle_stats(grad, table, 0.5))
     master, m, v = make_state(table, seed=seed)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 1.0, 2)
-    ref.adamw_step(grad, master, m, v, None, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
-                   step=torch.tensor([2]), beta1=BETA1, beta2=BETA2, eps=EPS)
+    ops.adamw_step(grad, master, m, v, None, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
+                   step=torch.tensor([2]), beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     assert_fp32_close(master, W, "master")
     assert_fp32_close(v, V, "exp_avg_sq")
 
@@ -422,7 +420,7 @@ def test_cpu_tensors_use_the_cpu_implementation():
 # gap element of master, state and param_out stays bitwise as it was, whatever it held, and the
 # pieces come out bitwise as with zero gaps. Pass 1 counts and sums piece elements only.
 # =================================================================================================
-IMPLS = {"reference": ref, "cpu": cpu_impl}
+TORCH_BACKENDS = ("reference", "cpu")
 
 
 def gap_table(name: str) -> PieceTable:
@@ -444,18 +442,19 @@ GAP_TABLES = ["alternating", "pairs", "one-run", "one-run-large"]
 PASS2_RULES = ["adamw", "sgd", "sgd-momentum", "sgd-nesterov"]
 
 
-def _pass2(impl, rule: str, grad, state, param_out, table, step: int) -> None:
+def _pass2(backend, rule: str, grad, state, param_out, table, step: int) -> None:
     master, a, b = state
     if rule == "adamw":
-        impl.adamw_step(grad, master, a, b, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([0.5]),
-                        step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS)
+        ops.adamw_step(grad, master, a, b, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([0.5]),
+                       step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS, backend=backend)
     else:
         momentum = 0.0 if rule == "sgd" else 0.9
-        impl.sgd_step(grad, master, a if momentum else None, param_out, table, lr=LR, weight_decay=WD,
-                      grad_scale=torch.tensor([0.5]), momentum=momentum, nesterov=rule == "sgd-nesterov")
+        ops.sgd_step(grad, master, a if momentum else None, param_out, table, lr=LR, weight_decay=WD,
+                     grad_scale=torch.tensor([0.5]), momentum=momentum, nesterov=rule == "sgd-nesterov",
+                     backend=backend)
 
 
-def check_pass2_gap_garbage(impl, rule, table, gdtype, pdtype, seed, steps=2) -> None:
+def check_pass2_gap_garbage(backend, rule, table, gdtype, pdtype, seed, steps=2) -> None:
     """Two steps on zero-gap tensors and on the same tensors with garbage in every gap (grads
     included: NaN/inf there must not reach a piece)."""
     n = table.numel
@@ -470,8 +469,8 @@ def check_pass2_gap_garbage(impl, rule, table, gdtype, pdtype, seed, steps=2) ->
         dirty_grad = with_gap_garbage(grad, table, seed=seed + 10 * step + 1)
         grad_before = dirty_grad.clone()
         before = snapshot(*dirty, dirty_po)
-        _pass2(impl, rule, grad, clean, clean_po, table, step)
-        _pass2(impl, rule, dirty_grad, dirty, dirty_po, table, step)
+        _pass2(backend, rule, grad, clean, clean_po, table, step)
+        _pass2(backend, rule, dirty_grad, dirty, dirty_po, table, step)
         assert_gaps_unchanged(before, [*dirty, dirty_po], gap, names, f"step {step}")
         assert torch.equal(as_bits(dirty_grad), as_bits(grad_before)), "grad written"
         for c, d, name in zip([*clean, clean_po], [*dirty, dirty_po], names):
@@ -487,21 +486,21 @@ def check_pass2_gap_garbage(impl, rule, table, gdtype, pdtype, seed, steps=2) ->
 @pytest.mark.parametrize("gdtype,pdtype", [(torch.float32, None), (torch.bfloat16, torch.bfloat16),
                                            (torch.float16, torch.float32)])
 def test_pass2_gap_garbage_untouched(backend, rule, tname, gdtype, pdtype):
-    check_pass2_gap_garbage(IMPLS[backend], rule, gap_table(tname), gdtype, pdtype, seed=7)
+    check_pass2_gap_garbage(backend, rule, gap_table(tname), gdtype, pdtype, seed=7)
 
 
 def test_pass2_gap_garbage_param_out_aliasing_fp32_master():
     """param_out may be the fp32 master itself: its gaps still come back unchanged."""
     table = gap_table("one-run")
     gap = ~piece_mask(table)
-    for impl in IMPLS.values():
+    for backend in TORCH_BACKENDS:
         master, m, v = (with_gap_garbage(t, table, seed=i) for i, t in enumerate(make_state(table, seed=3)))
         clean = make_state(table, seed=3)
         before = snapshot(master, m, v)
         grad = with_gap_garbage(make_grad(table, torch.bfloat16, seed=4), table, seed=5)
-        _pass2(impl, "adamw", grad, [master, m, v], master, table, 1)
-        _pass2(impl, "adamw", make_grad(table, torch.bfloat16, seed=4), clean, None, table, 1)
-        assert_gaps_unchanged(before, [master, m, v], gap, ["master", "exp_avg", "exp_avg_sq"], impl.__name__)
+        _pass2(backend, "adamw", grad, [master, m, v], master, table, 1)
+        _pass2(backend, "adamw", make_grad(table, torch.bfloat16, seed=4), clean, None, table, 1)
+        assert_gaps_unchanged(before, [master, m, v], gap, ["master", "exp_avg", "exp_avg_sq"], backend)
         assert torch.equal(as_bits(master)[~gap], as_bits(clean[0])[~gap])
 
 
@@ -512,15 +511,14 @@ def test_pass2_gap_garbage_param_out_aliasing_fp32_master():
 @pytest.mark.parametrize("kind", ["bits", "zeros"])
 def test_grad_stats_ignore_gap_garbage(backend, tname, dtype, specials, kind):
     """Garbage (or signed zeros) in the grad's gaps: the same stats, bitwise, as with +0 gaps."""
-    impl = IMPLS[backend]
     table = gap_table(tname)
     grad = make_grad(table, dtype, seed=11, specials=specials)
     dirty = with_gap_garbage(grad, table, seed=12, kind=kind)
     before = dirty.clone()
     for count_zeros in (True, False):
         s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-        impl.grad_stats(grad, table, torch.tensor([0.25]), s_clean, count_zeros)
-        impl.grad_stats(dirty, table, torch.tensor([0.25]), s_dirty, count_zeros)
+        ops.grad_stats(grad, table, torch.tensor([0.25]), s_clean, count_zeros, backend=backend)
+        ops.grad_stats(dirty, table, torch.tensor([0.25]), s_dirty, count_zeros, backend=backend)
         assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
         assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), backend)
     assert torch.equal(as_bits(dirty), as_bits(before)), "grad written"
@@ -530,23 +528,19 @@ def test_grad_stats_ignore_gap_garbage(backend, tname, dtype, specials, kind):
 @given(table=random_tables(), dtype=st.sampled_from(GRAD_DTYPES), seed=st.integers(0, 2**16),
        backend=st.sampled_from(["reference", "cpu"]), rule=st.sampled_from(PASS2_RULES))
 def test_random_tables_gap_garbage(table, dtype, seed, backend, rule):
-    impl = IMPLS[backend]
     grad = make_grad(table, dtype, seed=seed, finite_specials=True)
     dirty = with_gap_garbage(grad, table, seed=seed + 1)
     s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    impl.grad_stats(grad, table, torch.tensor([0.5]), s_clean)
-    impl.grad_stats(dirty, table, torch.tensor([0.5]), s_dirty)
+    ops.grad_stats(grad, table, torch.tensor([0.5]), s_clean, backend=backend)
+    ops.grad_stats(dirty, table, torch.tensor([0.5]), s_dirty, backend=backend)
     assert torch.equal(as_bits(s_dirty), as_bits(s_clean))
-    check_pass2_gap_garbage(impl, rule, table, dtype, torch.bfloat16, seed=seed, steps=1)
+    check_pass2_gap_garbage(backend, rule, table, dtype, torch.bfloat16, seed=seed, steps=1)
 
 
 # =================================================================================================
 # CUDA: kernels vs oracle and vs reference
 # =================================================================================================
-def _cuda_impl():
-    from megatron_opt.ops import cuda as impl
-
-    return impl
+CUDA_EXT = "cuda-ext"  # the backend of the CUDA tests: the compiled extension, through the public fronts
 
 
 DEV = "cuda"
@@ -577,22 +571,21 @@ def test_cuda_dispatch_uses_extension():
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("specials", [False, True])
 def test_cuda_grad_stats(n, layout, dtype, specials):
-    impl = _cuda_impl()
     table = make_table(n, layout)
     grad = make_grad(table, dtype, seed=n, specials=specials, device=DEV)
     inv = _scalar(0.25)
     base = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=DEV)
     stats = base.clone()
-    impl.grad_stats(grad, table, inv, stats)
+    ops.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
     want = oracle_stats(grad, table, 0.25)
     assert_stats(stats - base, want, "kernel vs oracle")
     stats_ref = base.clone()
-    ref.grad_stats(grad, table, inv, stats_ref)
+    ops.grad_stats(grad, table, inv, stats_ref, backend="reference")
     assert torch.equal(stats[0], stats_ref[0]) and torch.equal(stats[2], stats_ref[2])
     if want[0] == 0:
         _assert_within(stats[1:2], stats_ref[1:2], rtol=2e-5, atol=0.0, what="sumsq vs reference")
     stats2 = base.clone()
-    impl.grad_stats(grad, table, inv, stats2)
+    ops.grad_stats(grad, table, inv, stats2, backend=CUDA_EXT)
     assert torch.equal(stats.view(torch.int64), stats2.view(torch.int64)), "two runs differ"
 
 
@@ -601,33 +594,31 @@ def test_cuda_grad_stats(n, layout, dtype, specials):
 @pytest.mark.parametrize("count_zeros", [True, False])
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_cuda_grad_stats_flags_and_views(count_zeros, offset):
-    impl = _cuda_impl()
     table = gapped_table(70001)
     grad = _offset_view(make_grad(table, torch.bfloat16, seed=4, specials=True, device=DEV), offset)
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    impl.grad_stats(grad, table, _scalar(2.0), stats, count_zeros=count_zeros)
+    ops.grad_stats(grad, table, _scalar(2.0), stats, count_zeros=count_zeros, backend=CUDA_EXT)
     assert_stats(stats, oracle_stats(grad, table, 2.0, count_zeros))
 
 
 @cuda
 @needs_cuda
 def test_cuda_grad_stats_excluded_pieces_not_in_norm():
-    impl = _cuda_impl()
     table = PieceTable((0, 10, 30), (8, 20, 33), (True, False, True), (0, 0, 0), 40)
     grad = torch.zeros(40, device=DEV)
     grad[0:8], grad[10:20], grad[30:33] = 1.0, 1e6, 2.0
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    impl.grad_stats(grad, table, _scalar(0.5), stats)
+    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 0.0 and stats[2].item() == 0.0
     assert stats[1].item() == pytest.approx(0.25 * (8 * 1.0 + 3 * 4.0), rel=1e-6)
     grad[12] = math.inf  # excluded from the norm, still counted as non-finite
-    impl.grad_stats(grad, table, _scalar(0.5), stats)
+    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 1.0 and math.isfinite(stats[1].item())
 
 
-def _run_adamw(impl, grad, master, m, v, param_out, table, gs, step, lr=LR, wd=WD, found=None):
-    impl.adamw_step(grad, master, m, v, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
-                    step=_scalar(step, torch.int64), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=found)
+def _run_adamw(backend, grad, master, m, v, param_out, table, gs, step, lr=LR, wd=WD, found=None):
+    ops.adamw_step(grad, master, m, v, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
+                   step=_scalar(step, torch.int64), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=found, backend=backend)
 
 
 @cuda
@@ -637,21 +628,20 @@ def _run_adamw(impl, grad, master, m, v, param_out, table, gs, step, lr=LR, wd=W
 @pytest.mark.parametrize("gdtype", GRAD_DTYPES)
 @pytest.mark.parametrize("pdtype", [None, torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_adamw(n, layout, gdtype, pdtype):
-    impl = _cuda_impl()
     table = make_table(n, layout)
     grad = make_grad(table, gdtype, seed=n + 3, finite_specials=True, device=DEV)
     master, m, v = make_state(table, seed=n, device=DEV)
     param_out = None if pdtype is None else torch.zeros(n, dtype=pdtype, device=DEV)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 0.5, 3)
     r_master, r_m, r_v, r_po = snapshot(master, m, v, param_out)
-    _run_adamw(impl, grad, master, m, v, param_out, table, 0.5, 3)
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 0.5, 3)
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(v, V, "exp_avg_sq")
     assert_fp32_close(master, W, "master")
     if param_out is not None:
         assert_param_out(param_out, master, W)
     # vs the reference on the same CUDA tensors (a few ulps apart at most)
-    _run_adamw(ref, grad, r_master, r_m, r_v, r_po, table, 0.5, 3)
+    _run_adamw("reference", grad, r_master, r_m, r_v, r_po, table, 0.5, 3)
     for got, want, name in [(master, r_master, "master"), (m, r_m, "exp_avg"), (v, r_v, "exp_avg_sq")]:
         atol = 1e-7 * float(want.abs().max()) if n else 0.0
         _assert_within(got, want, rtol=1e-6, atol=atol, what=f"{name} vs reference")
@@ -666,7 +656,6 @@ def test_cuda_adamw_gaps_untouched(tname, gdtype, pdtype):
     """Garbage in every gap (random bit patterns; NaN/inf in the grad's gaps): the kernel and the
     reference leave every gap element of master, moments and param_out bitwise unchanged; on the
     pieces the kernel matches its own zero-gap run bitwise, the oracle and the reference."""
-    impl = _cuda_impl()
     table = gap_table(tname)
     piece = piece_mask(table, DEV)
     gap = ~piece
@@ -679,9 +668,9 @@ def test_cuda_adamw_gaps_untouched(tname, gdtype, pdtype):
     dirty_po = with_gap_garbage(clean_po, table, seed=54)
     r = snapshot(*dirty, dirty_po)  # the reference's copies
     before = snapshot(dirty_grad, *dirty, dirty_po)
-    _run_adamw(impl, grad, *clean, clean_po, table, 1.0, 1)
-    _run_adamw(impl, dirty_grad, *dirty, dirty_po, table, 1.0, 1)
-    _run_adamw(ref, dirty_grad, *r, table, 1.0, 1)
+    _run_adamw(CUDA_EXT, grad, *clean, clean_po, table, 1.0, 1)
+    _run_adamw(CUDA_EXT, dirty_grad, *dirty, dirty_po, table, 1.0, 1)
+    _run_adamw("reference", dirty_grad, *r, table, 1.0, 1)
     names = ["master", "exp_avg", "exp_avg_sq", "param_out"]
     assert_gap_run(names, before, dirty_grad, [*clean, clean_po], [*dirty, dirty_po], r, gap, piece)
     master, m, v = dirty
@@ -702,7 +691,6 @@ def test_cuda_adamw_gaps_untouched(tname, gdtype, pdtype):
 @pytest.mark.parametrize("pdtype", [None, torch.bfloat16])
 def test_cuda_sgd_gaps_untouched(tname, gdtype, rule, pdtype):
     """As test_cuda_adamw_gaps_untouched, for SGD with and without (Nesterov) momentum."""
-    impl = _cuda_impl()
     table = gap_table(tname)
     piece = piece_mask(table, DEV)
     gap = ~piece
@@ -718,13 +706,13 @@ def test_cuda_sgd_gaps_untouched(tname, gdtype, rule, pdtype):
     r = snapshot(*dirty, dirty_po)  # the reference's copies
     before = snapshot(dirty_grad, *dirty, dirty_po)
 
-    def run(impl, g, w, b, po):
-        impl.sgd_step(g, w, b, po, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0), momentum=momentum,
-                      nesterov=nesterov)
+    def run(backend, g, w, b, po):
+        ops.sgd_step(g, w, b, po, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0), momentum=momentum,
+                     nesterov=nesterov, backend=backend)
 
-    run(impl, grad, *clean, clean_po)
-    run(impl, dirty_grad, *dirty, dirty_po)
-    run(ref, dirty_grad, *r)
+    run(CUDA_EXT, grad, *clean, clean_po)
+    run(CUDA_EXT, dirty_grad, *dirty, dirty_po)
+    run("reference", dirty_grad, *r)
     names = ["master", "momentum_buffer", "param_out"]
     assert_gap_run(names, before, dirty_grad, [*clean, clean_po], [*dirty, dirty_po], r, gap, piece)
     assert_fp32_close(dirty[0][piece], W[piece], "master")
@@ -746,16 +734,15 @@ def test_cuda_sgd_gaps_untouched(tname, gdtype, rule, pdtype):
 def test_cuda_grad_stats_ignore_gap_garbage(tname, dtype, specials):
     """Garbage in the grad's gaps: the kernel's stats are bitwise those of the zero-gap grad, the
     oracle's over the pieces, and the reference's counts."""
-    impl = _cuda_impl()
     table = gap_table(tname)
     grad = make_grad(table, dtype, seed=11, specials=specials, device=DEV)
     dirty = with_gap_garbage(grad, table, seed=12)
     before = dirty.clone()
     for count_zeros in (True, False):
         s_clean, s_dirty, s_ref = (torch.zeros(3, dtype=torch.float64, device=DEV) for _ in range(3))
-        impl.grad_stats(grad, table, _scalar(0.25), s_clean, count_zeros)
-        impl.grad_stats(dirty, table, _scalar(0.25), s_dirty, count_zeros)
-        ref.grad_stats(dirty, table, _scalar(0.25), s_ref, count_zeros)
+        ops.grad_stats(grad, table, _scalar(0.25), s_clean, count_zeros, backend=CUDA_EXT)
+        ops.grad_stats(dirty, table, _scalar(0.25), s_dirty, count_zeros, backend=CUDA_EXT)
+        ops.grad_stats(dirty, table, _scalar(0.25), s_ref, count_zeros, backend="reference")
         assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
         assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), "kernel")
         assert torch.equal(s_dirty[0], s_ref[0]) and torch.equal(s_dirty[2], s_ref[2])
@@ -768,7 +755,6 @@ def test_cuda_grad_stats_ignore_gap_garbage(tname, dtype, specials):
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_cuda_adamw_misaligned_views(offsets, gdtype):
     """Same phase everywhere -> vector path with a scalar head; different phases -> scalar path."""
-    impl = _cuda_impl()
     table = gapped_table(50021)
     go, wo, mo, vo, po = offsets
     grad = _offset_view(make_grad(table, gdtype, seed=9, device=DEV), go)
@@ -776,7 +762,7 @@ def test_cuda_adamw_misaligned_views(offsets, gdtype):
     master, m, v = _offset_view(master, wo), _offset_view(m, mo), _offset_view(v, vo)
     param_out = _offset_view(torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV), po)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 0.5, 2)
-    _run_adamw(impl, grad, master, m, v, param_out, table, 0.5, 2)
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 0.5, 2)
     assert_fp32_close(master, W, "master")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(v, V, "exp_avg_sq")
@@ -786,12 +772,11 @@ def test_cuda_adamw_misaligned_views(offsets, gdtype):
 @cuda
 @needs_cuda
 def test_cuda_adamw_param_out_aliasing_fp32_master():
-    impl = _cuda_impl()
     table = gapped_table(9999)
     grad = make_grad(table, torch.bfloat16, seed=6, device=DEV)
     master, m, v = make_state(table, seed=6, device=DEV)
     W, _, _ = oracle_adamw(grad, master, m, v, table, LR, WD, 1.0, 4)
-    _run_adamw(impl, grad, master, m, v, master, table, 1.0, 4)
+    _run_adamw(CUDA_EXT, grad, master, m, v, master, table, 1.0, 4)
     assert_fp32_close(master, W, "master")
 
 
@@ -799,7 +784,6 @@ def test_cuda_adamw_param_out_aliasing_fp32_master():
 @needs_cuda
 def test_cuda_adamw_many_groups_uploaded():
     """More groups than fit in the kernel arguments: the table is uploaded to the device."""
-    impl = _cuda_impl()
     n, ng = 20000, 100
     starts = tuple(range(0, n, n // ng))
     ends = tuple(s + n // ng - 3 for s in starts)
@@ -809,7 +793,7 @@ def test_cuda_adamw_many_groups_uploaded():
     grad = make_grad(table, torch.float32, seed=8, device=DEV)
     master, m, v = make_state(table, seed=8, device=DEV)
     W, M, V = oracle_adamw(grad, master, m, v, table, lr, wd, 1.0, 5)
-    _run_adamw(impl, grad, master, m, v, None, table, 1.0, 5, lr=lr, wd=wd)
+    _run_adamw(CUDA_EXT, grad, master, m, v, None, table, 1.0, 5, lr=lr, wd=wd)
     assert_fp32_close(master, W, "master")
     assert_fp32_close(m, M, "exp_avg")
 
@@ -822,7 +806,6 @@ def test_cuda_adamw_many_groups_uploaded():
 @pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
 @pytest.mark.parametrize("pdtype", [None, torch.bfloat16, torch.float16])
 def test_cuda_sgd(n, layout, gdtype, momentum, nesterov, pdtype):
-    impl = _cuda_impl()
     table = make_table(n, layout)
     grad = make_grad(table, gdtype, seed=n + 5, finite_specials=True, device=DEV)
     master, buf, _ = make_state(table, seed=n, device=DEV)
@@ -830,15 +813,15 @@ def test_cuda_sgd(n, layout, gdtype, momentum, nesterov, pdtype):
     param_out = None if pdtype is None else torch.zeros(n, dtype=pdtype, device=DEV)
     W, B = oracle_sgd(grad, master, buf, table, LR, WD, 2.0, momentum, nesterov)
     r = snapshot(master, buf, param_out)
-    impl.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
-                  momentum=momentum, nesterov=nesterov)
+    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
+                 momentum=momentum, nesterov=nesterov, backend=CUDA_EXT)
     assert_fp32_close(master, W, "master")
     if buf is not None:
         assert_fp32_close(buf, B, "momentum_buffer")
     if param_out is not None:
         assert_param_out(param_out, master, W)
-    ref.sgd_step(grad, r[0], r[1], r[2], table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
-                 momentum=momentum, nesterov=nesterov)
+    ops.sgd_step(grad, r[0], r[1], r[2], table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
+                 momentum=momentum, nesterov=nesterov, backend="reference")
     atol = 1e-7 * float(r[0].abs().max())
     _assert_within(master, r[0], rtol=1e-6, atol=atol, what="master vs reference")
 
@@ -847,9 +830,8 @@ def test_cuda_sgd(n, layout, gdtype, momentum, nesterov, pdtype):
 @needs_cuda
 @pytest.mark.parametrize("found", [None, 0.0, 1.0, math.nan, math.inf])
 def test_cuda_advance_step(found):
-    impl = _cuda_impl()
     step = _scalar(5, torch.int64)
-    impl.advance_step(step, None if found is None else _scalar(found))
+    ops.advance_step(step, None if found is None else _scalar(found), backend=CUDA_EXT)
     assert step.item() == (6 if found in (None, 0.0) else 5)
 
 
@@ -857,24 +839,23 @@ def test_cuda_advance_step(found):
 @needs_cuda
 @pytest.mark.parametrize("found", [1.0, math.nan, -2.0])
 def test_cuda_found_inf_skips_everything(found):
-    impl = _cuda_impl()
     table = gapped_table(300007)
     grad = make_grad(table, torch.bfloat16, seed=2, device=DEV)
     master, m, v = make_state(table, seed=2, device=DEV, gap_value=3.0)
     param_out = master.to(torch.bfloat16)
     flag = _scalar(found)
     before = snapshot(master, m, v, param_out, grad)
-    _run_adamw(impl, grad, master, m, v, param_out, table, 1.0, 1, found=flag)
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 1.0, 1, found=flag)
     torch.cuda.synchronize()
     assert_bitwise_unchanged(before, [master, m, v, param_out, grad],
                              ["master", "exp_avg", "exp_avg_sq", "param_out", "grad"])
     buf = torch.randn(table.numel, device=DEV)
     before = snapshot(master, buf, param_out)
-    impl.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
-                  momentum=0.9, found_inf=flag)
+    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
+                 momentum=0.9, found_inf=flag, backend=CUDA_EXT)
     assert_bitwise_unchanged(before, [master, buf, param_out], ["master", "momentum_buffer", "param_out"])
     # a zero flag runs the step
-    _run_adamw(impl, grad, master, m, v, param_out, table, 1.0, 1, found=_scalar(0.0))
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 1.0, 1, found=_scalar(0.0))
     assert not torch.equal(master, before[0])
 
 
@@ -883,24 +864,23 @@ def test_cuda_found_inf_skips_everything(found):
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_cuda_large_shard(gdtype):
     """A few million elements, many blocks per piece, against the oracle; two runs bitwise equal."""
-    impl = _cuda_impl()
     table = gapped_table(3_000_017)
     grad = make_grad(table, gdtype, seed=21, device=DEV)
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    impl.grad_stats(grad, table, _scalar(0.5), stats)
+    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert_stats(stats, oracle_stats(grad, table, 0.5))
     master, m, v = make_state(table, seed=21, device=DEV)
     param_out = torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV)
     init = snapshot(master, m, v)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 0.5, 7)
-    _run_adamw(impl, grad, master, m, v, param_out, table, 0.5, 7)
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 0.5, 7)
     assert_fp32_close(master, W, "master")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(v, V, "exp_avg_sq")
     assert_param_out(param_out, master, W)
     first = snapshot(master, m, v, param_out)
     master.copy_(init[0]), m.copy_(init[1]), v.copy_(init[2])
-    _run_adamw(impl, grad, master, m, v, param_out, table, 0.5, 7)
+    _run_adamw(CUDA_EXT, grad, master, m, v, param_out, table, 0.5, 7)
     for a, b in zip(first, [master, m, v, param_out]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "two runs differ"
 
@@ -909,7 +889,6 @@ def test_cuda_large_shard(gdtype):
 @needs_cuda
 def test_cuda_grad_stats_beyond_int32():
     """More than 2^31 elements in one shard (int64 indexing); skipped when memory is short."""
-    impl = _cuda_impl()
     n = 2**31 + 1000
     free, _ = torch.cuda.mem_get_info()
     if free < n * 2 * 2.5:
@@ -919,11 +898,11 @@ def test_cuda_grad_stats_beyond_int32():
     grad[n - 4] = math.inf
     grad[n - 10] = 0.0
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    impl.grad_stats(grad, table, _scalar(0.5), stats)
+    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 1.0 and stats[2].item() == 1.0
     grad[n - 4] = 1.0
     stats.zero_()
-    impl.grad_stats(grad, table, _scalar(0.5), stats)
+    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     covered = table.covered
     assert stats[1].item() == pytest.approx(0.25 * (covered - 1), rel=1e-6)
 
@@ -931,7 +910,6 @@ def test_cuda_grad_stats_beyond_int32():
 @cuda
 @needs_cuda
 def test_cuda_graph_capture_and_replay():
-    impl = _cuda_impl()
     table = gapped_table(1 << 20)
     n = table.numel
     grads = [make_grad(table, torch.bfloat16, seed=s, device=DEV) for s in (31, 32)]
@@ -944,10 +922,10 @@ def test_cuda_graph_capture_and_replay():
 
     def one_step():
         stats.zero_()
-        impl.grad_stats(grad, table, inv, stats)
-        impl.advance_step(step)
-        impl.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=gs, step=step,
-                        beta1=BETA1, beta2=BETA2, eps=EPS)
+        ops.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
+        ops.advance_step(step, backend=CUDA_EXT)
+        ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=gs, step=step,
+                       beta1=BETA1, beta2=BETA2, eps=EPS, backend=CUDA_EXT)
 
     def restore():
         for t, i in zip([master, m, v, param_out, step], init):
@@ -987,8 +965,9 @@ needs_ext = pytest.mark.skipif(not ops.HAS_CUDA_EXT, reason=f"extension not buil
 
 @needs_ext
 def test_wrapper_arguments_reach_the_extension(monkeypatch):
-    impl = _cuda_impl()
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
+    from megatron_opt.ops import cuda as cuda_wrapper
+
+    monkeypatch.setattr(cuda_wrapper, "cuda_device", lambda op, grad: grad.device)
     table = gapped_table(100)
     n = table.numel
     f32 = lambda: torch.zeros(n)  # noqa: E731
@@ -997,64 +976,64 @@ def test_wrapper_arguments_reach_the_extension(monkeypatch):
     stats = torch.zeros(3, dtype=torch.float64)
     cuda_only = pytest.raises(RuntimeError, match="must be a CUDA tensor")
     with cuda_only:
-        impl.grad_stats(torch.zeros(n, dtype=torch.bfloat16), table, one, stats, count_zeros=False)
+        ops.grad_stats(torch.zeros(n, dtype=torch.bfloat16), table, one, stats, count_zeros=False, backend=CUDA_EXT)
     for po in (None, torch.zeros(n, dtype=torch.bfloat16)):
         with cuda_only:
-            impl.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
-                            step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=None)
+            ops.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
+                           step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=None, backend=CUDA_EXT)
         with cuda_only:
-            impl.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
-                            step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=torch.zeros(1))
+            ops.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
+                           step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=torch.zeros(1), backend=CUDA_EXT)
         with cuda_only:
-            impl.sgd_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.9,
-                          nesterov=True, found_inf=torch.zeros(1))
+            ops.sgd_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.9,
+                         nesterov=True, found_inf=torch.zeros(1), backend=CUDA_EXT)
         with cuda_only:
-            impl.sgd_step(f32(), f32(), None, po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.0)
-    from megatron_opt import _C
-
+            ops.sgd_step(f32(), f32(), None, po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.0,
+                         backend=CUDA_EXT)
     with cuda_only:
-        _C.advance_step(step, None)
+        cuda_wrapper.kernels.advance_step(step, None)
     with cuda_only:
-        _C.advance_step(step, torch.zeros(1))
+        cuda_wrapper.kernels.advance_step(step, torch.zeros(1))
 
 
 def test_wrapper_validation(wrapper):
-    impl, dev = wrapper
+    backend, dev = wrapper
     table = full_table(16)
     grad = torch.zeros(16, device=dev)
     one = torch.ones(1, device=dev)
     stats = torch.zeros(3, dtype=torch.float64, device=dev)
     with pytest.raises(TypeError, match="dtype"):
-        impl.grad_stats(grad.double(), table, one, stats)
+        ops.grad_stats(grad.double(), table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="elements"):
-        impl.grad_stats(grad[:8], table, one, stats)
+        ops.grad_stats(grad[:8], table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="contiguous"):
-        impl.grad_stats(torch.zeros(32, device=dev)[::2], table, one, stats)
+        ops.grad_stats(torch.zeros(32, device=dev)[::2], table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="1-D"):
-        impl.grad_stats(torch.zeros(4, 4, device=dev), table, one, stats)
+        ops.grad_stats(torch.zeros(4, 4, device=dev), table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="one element"):
-        impl.grad_stats(grad, table, torch.ones(2, device=dev), stats)
+        ops.grad_stats(grad, table, torch.ones(2, device=dev), stats, backend=backend)
     with pytest.raises(TypeError, match="float64"):
-        impl.grad_stats(grad, table, one, stats.float())
+        ops.grad_stats(grad, table, one, stats.float(), backend=backend)
     master, m, v = (torch.zeros(16, device=dev) for _ in range(3))
     step = torch.ones(1, dtype=torch.int64, device=dev)
     kw = dict(grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
     with pytest.raises(ValueError, match="group"):
-        impl.adamw_step(grad, master, m, v, None, table, lr=[], weight_decay=[], **kw)
+        ops.adamw_step(grad, master, m, v, None, table, lr=[], weight_decay=[], **kw, backend=backend)
     with pytest.raises(ValueError, match="entries"):
-        impl.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0, 1.0], **kw)
+        ops.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0, 1.0], **kw, backend=backend)
     with pytest.raises(TypeError, match="int64"):
-        impl.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0],
-                        **{**kw, "step": torch.ones(1, device=dev)})
+        ops.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0],
+                       **{**kw, "step": torch.ones(1, device=dev)}, backend=backend)
     with pytest.raises(ValueError, match="overlap"):
-        impl.adamw_step(grad, master, master, v, None, table, lr=[1.0], weight_decay=[0.0], **kw)
+        ops.adamw_step(grad, master, master, v, None, table, lr=[1.0], weight_decay=[0.0], **kw, backend=backend)
     with pytest.raises(TypeError, match="dtype"):
-        impl.adamw_step(grad, master, m, v, torch.zeros(16, dtype=torch.float64, device=dev), table, lr=[1.0],
-                        weight_decay=[0.0], **kw)
+        ops.adamw_step(grad, master, m, v, torch.zeros(16, dtype=torch.float64, device=dev), table, lr=[1.0],
+                       weight_decay=[0.0], **kw, backend=backend)
     with pytest.raises(ValueError, match="momentum buffer"):
-        impl.sgd_step(grad, master, None, None, table, lr=[1.0], weight_decay=[0.0], grad_scale=one, momentum=0.9)
+        ops.sgd_step(grad, master, None, None, table, lr=[1.0], weight_decay=[0.0], grad_scale=one, momentum=0.9,
+                     backend=backend)
     with pytest.raises(ValueError, match="CUDA"):
-        impl.advance_step(torch.ones(1, dtype=torch.int64))
+        ops.advance_step(torch.ones(1, dtype=torch.int64), backend=backend)
     if dev.type == "cuda":
         with pytest.raises(TypeError, match="int64"):
-            impl.advance_step(torch.ones(1, device=dev))
+            ops.advance_step(torch.ones(1, device=dev), backend=backend)

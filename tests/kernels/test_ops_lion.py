@@ -8,7 +8,7 @@ CUDA part (``@pytest.mark.cuda``; skipped without a GPU or without the compiled 
 kernel of megatron_opt.ops.cuda vs the oracle and vs the reference run on the same CUDA tensors, for
 fp32/bf16/fp16 grads and param_out dtypes, garbage in the padding gaps left bitwise untouched, the found_inf skip, misaligned
 views and more param groups than travel in the kernel arguments. The wrapper tests also run on CPU
-whenever the extension is built (its device check is bypassed so the call reaches megatron_opt._C).
+whenever the extension is built (its device check is bypassed so the call reaches the compiled module).
 
 Lion: c = beta1*m + (1-beta1)*g;  w = w*(1 - lr*wd) - lr*sign(c);  m = beta2*m + (1-beta2)*g,
 with g = grad * grad_scale and sign(0) = sign(NaN) = 0 (torch.sign).
@@ -21,8 +21,6 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
-from megatron_opt.ops import cpu as cpu_impl
-from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
@@ -196,8 +194,8 @@ def test_reference_lion_matches_closed_form_over_steps(n, layout, gdtype, pdtype
         grad = make_grad(table, gdtype, seed=100 * n + t)
         gs = (0.5, 2.0, 1.0)[t % 3]
         W, M, tie = oracle_lion(grad, W, M, table, lr, wd, gs, beta1, beta2, tie)
-        ref.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
-                      beta1=beta1, beta2=beta2)
+        ops.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
+                      beta1=beta1, beta2=beta2, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
     # gaps hold g = m = w = 0 and stay 0
@@ -215,8 +213,8 @@ def test_reference_lion_sign_of_zero_and_group_lr():
     master = torch.tensor([1.0, 1.0, 1.0, -1.0, 0, 0, 1.0, 1.0, 1.0, 2.0, 0, 0])
     m = torch.tensor([0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.5, -0.5, 0, 0])
     lr, wd = [0.25, 0.125], [0.5, 0.0]
-    ref.lion_step(grad, master, m, None, table, lr=lr, weight_decay=wd, grad_scale=_scalar(1.0), beta1=BETA1,
-                  beta2=BETA2)
+    ops.lion_step(grad, master, m, None, table, lr=lr, weight_decay=wd, grad_scale=_scalar(1.0), beta1=BETA1,
+                  beta2=BETA2, backend="reference")
     d = 1 - 0.25 * 0.5
     want_w = [d, d - 0.25, d + 0.25, -d, 0, 0, 1 - 0.125, 1 + 0.125, 1 - 0.125, 2 + 0.125, 0, 0]
     assert master.tolist() == pytest.approx(want_w, rel=1e-7, abs=0)
@@ -233,8 +231,8 @@ def test_reference_lion_specials(gdtype):
     param_out = torch.zeros(table.numel, dtype=torch.bfloat16)
     W, M, tie = oracle_lion(grad, master, m, table, LR, WD, 0.5)
     assert bool(torch.isnan(M).any()) and bool(torch.isinf(M).any())
-    ref.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5), beta1=BETA1,
-                  beta2=BETA2)
+    ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5), beta1=BETA1,
+                  beta2=BETA2, backend="reference")
     assert torch.isfinite(master).all(), "a NaN moment must not reach the weights (torch.sign(NaN) == 0)"
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
@@ -267,8 +265,8 @@ def test_reference_lion_param_straddling_two_shards():
         W, M, tie = oracle_lion(grad, W, M, glob, LR, WD, 0.25, near_tie=tie)
         for r in range(2):
             sl = slice(r * shard, (r + 1) * shard)
-            ref.lion_step(grad[sl], master[sl], m[sl], param_out[sl], tables[r], lr=LR, weight_decay=WD,
-                          grad_scale=_scalar(0.25), beta1=BETA1, beta2=BETA2)
+            ops.lion_step(grad[sl], master[sl], m[sl], param_out[sl], tables[r], lr=LR, weight_decay=WD,
+                          grad_scale=_scalar(0.25), beta1=BETA1, beta2=BETA2, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
     assert_param_out(param_out, master, W, piece_mask(glob), skip=tie)
@@ -334,7 +332,6 @@ def test_lion_gap_garbage_untouched(backend, tname, gdtype, pdtype, betas):
     """Pass 2 writes piece elements only: with garbage in every gap (NaN/inf grads included) each
     gap element of master, exp_avg and param_out stays bitwise as it was, over several steps, and
     the pieces come out bitwise as with zero gaps."""
-    impl = {"reference": ref, "cpu": cpu_impl}[backend]
     table = _gap_table(tname)
     gap = ~piece_mask(table)
     lr, wd = (LR[:1], WD[:1]) if tname.startswith("one-run") else (LR, WD)
@@ -348,8 +345,8 @@ def test_lion_gap_garbage_untouched(backend, tname, gdtype, pdtype, betas):
         dirty_grad = with_gap_garbage(grad, table, seed=95 + t)
         grad_before, before = dirty_grad.clone(), [x.clone() if x is not None else None for x in (*dirty, dirty_po)]
         for g, (master, m), po in ((grad, clean, clean_po), (dirty_grad, dirty, dirty_po)):
-            impl.lion_step(g, master, m, po, table, lr=lr, weight_decay=wd, grad_scale=_scalar(0.5),
-                           beta1=betas[0], beta2=betas[1])
+            ops.lion_step(g, master, m, po, table, lr=lr, weight_decay=wd, grad_scale=_scalar(0.5),
+                          beta1=betas[0], beta2=betas[1], backend=backend)
         assert_gaps_unchanged(before, (*dirty, dirty_po), gap, names, f"step {t}")
         assert_bitwise_equal(dirty_grad, grad_before, "grad")
         for c, d, name in zip((*clean, clean_po), (*dirty, dirty_po), names):
@@ -373,15 +370,12 @@ def test_lion_empty_table_is_a_no_op():
 DEV = "cuda"
 
 
-def _cuda_impl():
-    from megatron_opt.ops import cuda as impl
-
-    return impl
+CUDA_EXT = "cuda-ext"  # the backend of the CUDA tests: the compiled extension, through the public fronts
 
 
-def _run(impl, grad, master, m, param_out, table, gs, lr=LR, wd=WD, found=None, betas=(BETA1, BETA2)):
-    impl.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs, grad.device),
-                   beta1=betas[0], beta2=betas[1], found_inf=found)
+def _run(backend, grad, master, m, param_out, table, gs, lr=LR, wd=WD, found=None, betas=(BETA1, BETA2)):
+    ops.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs, grad.device),
+                  beta1=betas[0], beta2=betas[1], found_inf=found, backend=backend)
 
 
 def _offset_view(t: torch.Tensor, offset: int) -> torch.Tensor:
@@ -400,7 +394,6 @@ def _offset_view(t: torch.Tensor, offset: int) -> torch.Tensor:
 @pytest.mark.parametrize("pdtype", [None, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("betas", BETAS)
 def test_cuda_lion(n, layout, gdtype, pdtype, betas):
-    impl = _cuda_impl()
     table = make_table(n, layout)
     lr, wd = (LR, WD) if layout == "gapped" else (LR[:1], WD[:1])
     master, m = make_state(table, seed=n, device=DEV)
@@ -411,8 +404,8 @@ def test_cuda_lion(n, layout, gdtype, pdtype, betas):
     for t in range(3):
         grad = make_grad(table, gdtype, seed=n + t, device=DEV)
         W, M, tie = oracle_lion(grad, W, M, table, lr, wd, 0.5, *betas, near_tie=tie)
-        _run(impl, grad, master, m, param_out, table, 0.5, lr, wd, betas=betas)
-        _run(ref, grad, r_master, r_m, r_po, table, 0.5, lr, wd, betas=betas)
+        _run(CUDA_EXT, grad, master, m, param_out, table, 0.5, lr, wd, betas=betas)
+        _run("reference", grad, r_master, r_m, r_po, table, 0.5, lr, wd, betas=betas)
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
     mask = piece_mask(table, DEV)
@@ -432,13 +425,12 @@ def test_cuda_lion(n, layout, gdtype, pdtype, betas):
 @needs_cuda
 @pytest.mark.parametrize("gdtype", GRAD_DTYPES)
 def test_cuda_lion_specials(gdtype):
-    impl = _cuda_impl()
     table = gapped_table(20011)
     grad = make_grad(table, gdtype, seed=3, specials=True, device=DEV)
     master, m = make_state(table, seed=3, device=DEV)
     param_out = torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV)
     W, M, tie = oracle_lion(grad, master, m, table, LR, WD, 0.5)
-    _run(impl, grad, master, m, param_out, table, 0.5)
+    _run(CUDA_EXT, grad, master, m, param_out, table, 0.5)
     assert torch.isfinite(master).all(), "a NaN moment must not reach the weights (torch.sign(NaN) == 0)"
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
@@ -454,7 +446,6 @@ def test_cuda_lion_gaps_untouched(tname, gdtype, pdtype):
     """Garbage in every gap (random bit patterns; NaN/inf in the grad's gaps): the kernel and the
     reference leave every gap element of master, exp_avg and param_out bitwise unchanged; on the
     pieces the kernel matches its own zero-gap run bitwise, the oracle and the reference."""
-    impl = _cuda_impl()
     table = _gap_table(tname)
     lr, wd = (LR[:1], WD[:1]) if tname.startswith("one-run") else (LR, WD)
     piece_cpu = piece_mask(table)
@@ -469,9 +460,9 @@ def test_cuda_lion_gaps_untouched(tname, gdtype, pdtype):
     dirty_po = with_gap_garbage(clean_po, table, seed=53)
     r = [t.clone() for t in (*dirty, dirty_po)]  # the reference's copies
     before = [t.clone() for t in (dirty_grad, *dirty, dirty_po)]
-    _run(impl, grad, *clean, clean_po, table, 1.0, lr, wd)
-    _run(impl, dirty_grad, *dirty, dirty_po, table, 1.0, lr, wd)
-    _run(ref, dirty_grad, *r, table, 1.0, lr, wd)
+    _run(CUDA_EXT, grad, *clean, clean_po, table, 1.0, lr, wd)
+    _run(CUDA_EXT, dirty_grad, *dirty, dirty_po, table, 1.0, lr, wd)
+    _run("reference", dirty_grad, *r, table, 1.0, lr, wd)
     names = ("master", "exp_avg", "param_out")
     assert_gap_run(names, before, dirty_grad, (*clean, clean_po), (*dirty, dirty_po), r, gap, piece)
     master, m = dirty
@@ -489,19 +480,18 @@ def test_cuda_lion_gaps_untouched(tname, gdtype, pdtype):
 @needs_cuda
 @pytest.mark.parametrize("found", [1.0, math.nan, math.inf, -2.0])
 def test_cuda_lion_found_inf_skips_everything(found):
-    impl = _cuda_impl()
     table = gapped_table(300007)
     grad = make_grad(table, torch.bfloat16, seed=2, device=DEV)
     master, m = make_state(table, seed=2, device=DEV, gap_value=3.0)
     param_out = master.to(torch.bfloat16)
     flag = _scalar(found, DEV)
     before = [t.clone() for t in (grad, master, m, param_out, flag)]
-    _run(impl, grad, master, m, param_out, table, 1.0, found=flag)
+    _run(CUDA_EXT, grad, master, m, param_out, table, 1.0, found=flag)
     torch.cuda.synchronize()
     for b, a, name in zip(before, (grad, master, m, param_out, flag),
                           ("grad", "master", "exp_avg", "param_out", "found_inf")):
         assert_bitwise_equal(a, b, f"{name} on a skipped step:")
-    _run(impl, grad, master, m, param_out, table, 1.0, found=_scalar(0.0, DEV))  # a zero flag runs the step
+    _run(CUDA_EXT, grad, master, m, param_out, table, 1.0, found=_scalar(0.0, DEV))  # a zero flag runs the step
     assert not torch.equal(master, before[1]) and not torch.equal(m, before[2])
 
 
@@ -511,7 +501,6 @@ def test_cuda_lion_found_inf_skips_everything(found):
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_cuda_lion_misaligned_views(offsets, gdtype):
     """Same phase everywhere -> vector path with a scalar head; different phases -> scalar path."""
-    impl = _cuda_impl()
     table = gapped_table(50021)
     go, wo, mo, po = offsets
     grad = _offset_view(make_grad(table, gdtype, seed=9, device=DEV), go)
@@ -519,7 +508,7 @@ def test_cuda_lion_misaligned_views(offsets, gdtype):
     master, m = _offset_view(master, wo), _offset_view(m, mo)
     param_out = _offset_view(torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV), po)
     W, M, tie = oracle_lion(grad, master, m, table, LR, WD, 0.5)
-    _run(impl, grad, master, m, param_out, table, 0.5)
+    _run(CUDA_EXT, grad, master, m, param_out, table, 0.5)
     assert_fp32_close(master, W, "master", skip=tie)
     assert_fp32_close(m, M, "exp_avg")
     assert_param_out(param_out, master, W, piece_mask(table, DEV), skip=tie)
@@ -528,12 +517,11 @@ def test_cuda_lion_misaligned_views(offsets, gdtype):
 @cuda
 @needs_cuda
 def test_cuda_lion_param_out_aliasing_fp32_master():
-    impl = _cuda_impl()
     table = gapped_table(9999)
     grad = make_grad(table, torch.bfloat16, seed=6, device=DEV)
     master, m = make_state(table, seed=6, device=DEV)
     W, _, tie = oracle_lion(grad, master, m, table, LR, WD, 1.0)
-    _run(impl, grad, master, m, master, table, 1.0)
+    _run(CUDA_EXT, grad, master, m, master, table, 1.0)
     assert_fp32_close(master, W, "master", skip=tie)
 
 
@@ -541,7 +529,6 @@ def test_cuda_lion_param_out_aliasing_fp32_master():
 @needs_cuda
 def test_cuda_lion_many_groups_uploaded():
     """More groups than fit in the kernel arguments: the lr/wd table is uploaded to the device."""
-    impl = _cuda_impl()
     n, ng = 20000, 100
     starts = tuple(range(0, n, n // ng))
     ends = tuple(s + n // ng - 3 for s in starts)
@@ -551,7 +538,7 @@ def test_cuda_lion_many_groups_uploaded():
     grad = make_grad(table, torch.float32, seed=8, device=DEV)
     master, m = make_state(table, seed=8, device=DEV)
     W, M, tie = oracle_lion(grad, master, m, table, lr, wd, 1.0)
-    _run(impl, grad, master, m, None, table, 1.0, lr=lr, wd=wd)
+    _run(CUDA_EXT, grad, master, m, None, table, 1.0, lr=lr, wd=wd)
     assert_fp32_close(master, W, "master", skip=tie)
     assert_fp32_close(m, M, "exp_avg")
 
@@ -583,52 +570,54 @@ def test_cuda_lion_dispatch_and_deterministic():
 # =================================================================================================
 @needs_ext
 def test_lion_wrapper_arguments_reach_the_extension(monkeypatch):
-    """With the wrapper's device check bypassed, CPU tensors reach megatron_opt._C.lion_step, whose
+    """With the wrapper's device check bypassed, CPU tensors reach the compiled lion_step, whose
     first check rejects them; a pybind signature mismatch would raise TypeError instead."""
-    impl = _cuda_impl()
-    assert "lion_step" in impl.__all__
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
+    from megatron_opt.ops import cuda as cuda_wrapper
+
+    assert "lion_step" in cuda_wrapper.__all__
+    monkeypatch.setattr(cuda_wrapper, "cuda_device", lambda op, grad: grad.device)
     table = gapped_table(100)
     n = table.numel
     f32 = lambda: torch.zeros(n)  # noqa: E731
     for po in (None, torch.zeros(n, dtype=torch.bfloat16)):
         for found in (None, torch.zeros(1)):
             with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-                impl.lion_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
-                               beta1=BETA1, beta2=BETA2, found_inf=found)
+                ops.lion_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
+                              beta1=BETA1, beta2=BETA2, found_inf=found, backend=CUDA_EXT)
 
 
 def test_lion_wrapper_validation(wrapper):
-    impl, dev = wrapper
+    backend, dev = wrapper
     table = PieceTable((0, 9), (8, 16), (True, True), (0, 1), 16)
     grad = torch.zeros(16, device=dev)
     master, m = torch.zeros(16, device=dev), torch.zeros(16, device=dev)
     one = torch.ones(1, device=dev)
     kw = dict(lr=LR, weight_decay=WD, grad_scale=one, beta1=BETA1, beta2=BETA2)
     with pytest.raises(TypeError, match="dtype"):
-        impl.lion_step(grad.double(), master, m, None, table, **kw)
+        ops.lion_step(grad.double(), master, m, None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="exp_avg"):
-        impl.lion_step(grad, master, m.half(), None, table, **kw)
+        ops.lion_step(grad, master, m.half(), None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="master"):
-        impl.lion_step(grad, master.bfloat16(), m, None, table, **kw)
+        ops.lion_step(grad, master.bfloat16(), m, None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="param_out"):
-        impl.lion_step(grad, master, m, torch.zeros(16, dtype=torch.float64, device=dev), table, **kw)
+        ops.lion_step(grad, master, m, torch.zeros(16, dtype=torch.float64, device=dev), table, **kw, backend=backend)
     with pytest.raises(ValueError, match="elements"):
-        impl.lion_step(grad, master, m[:8], None, table, **kw)
+        ops.lion_step(grad, master, m[:8], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="contiguous"):
-        impl.lion_step(grad, master, torch.zeros(32, device=dev)[::2], None, table, **kw)
+        ops.lion_step(grad, master, torch.zeros(32, device=dev)[::2], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="one element"):
-        impl.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)})
+        ops.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)}, backend=backend)
     with pytest.raises(TypeError, match="found_inf"):
-        impl.lion_step(grad, master, m, None, table, **kw, found_inf=torch.zeros(1, dtype=torch.float64, device=dev))
+        ops.lion_step(grad, master, m, None, table, **kw, found_inf=torch.zeros(1, dtype=torch.float64, device=dev),
+                      backend=backend)
     with pytest.raises(ValueError, match="overlap"):
-        impl.lion_step(grad, master, master, None, table, **kw)
+        ops.lion_step(grad, master, master, None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="overlap"):
         buf = torch.zeros(40, device=dev)
-        impl.lion_step(grad, buf[:16], buf[8:24], None, table, **kw)
+        ops.lion_step(grad, buf[:16], buf[8:24], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="group"):
-        impl.lion_step(grad, master, m, None, table, **{**kw, "lr": [1.0], "weight_decay": [0.0]})
+        ops.lion_step(grad, master, m, None, table, **{**kw, "lr": [1.0], "weight_decay": [0.0]}, backend=backend)
     with pytest.raises(ValueError, match="entries"):
-        impl.lion_step(grad, master, m, None, table, **{**kw, "weight_decay": [0.0]})
+        ops.lion_step(grad, master, m, None, table, **{**kw, "weight_decay": [0.0]}, backend=backend)
     if dev.type == "cuda":  # master may alias an fp32 param_out
-        impl.lion_step(grad, master, m, master, table, **kw)
+        ops.lion_step(grad, master, m, master, table, **kw, backend=backend)

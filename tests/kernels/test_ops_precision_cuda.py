@@ -30,7 +30,6 @@ import torch
 import megatron_opt.ops as ops
 from gap_helpers import as_bits, piece_mask, pieces_table
 from megatron_opt.ops import precision
-from megatron_opt.ops import reference as ref
 from megatron_opt.ops.piece_table import PieceTable, full_table
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -275,10 +274,8 @@ def test_cuda_found_inf_leaves_everything_bitwise_unchanged(master, pair):
 @pytest.mark.parametrize("pair", FALLBACK_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
 @pytest.mark.parametrize("master", ["fp32+bf16", "fp16+fp16", "remainder"])
 def test_cuda_unsupported_moment_pair_runs_the_reference(monkeypatch, pair, master):
-    from megatron_opt.ops import cuda as impl
-
     calls = []
-    monkeypatch.setattr(impl._C, "adamw_step", lambda *a: calls.append(a), raising=True)
+    monkeypatch.setattr(_kernels(), "adamw_step", lambda *a: calls.append(a), raising=True)
     shards = [make_shard(gapped(), BF16, master, pair, seed=5, device=DEV),
               make_shard(full_table(4099), BF16, master, pair, seed=6, device=DEV)]
     ours, theirs = [clone(s) for s in shards], [clone(s) for s in shards]
@@ -356,8 +353,15 @@ def test_cuda_graph_replay_hashes_the_current_device_step():
 
 
 # ================================================================================================ CPU
+def _kernels():
+    """The compiled module the CUDA backend launches through (``megatron_opt.ops.cuda.kernels``)."""
+    from megatron_opt.ops import cuda as cuda_wrapper
+
+    return cuda_wrapper.kernels
+
+
 def _c_args(dev, codes: dict, stochastic=True):
-    """Arguments of _C.adamw_step with the given dtype codes (tables and scalars on ``dev``)."""
+    """Arguments of the compiled adamw_step with the given dtype codes (tables and scalars on ``dev``)."""
     base = dict(grad_code=1, param_code=1, master_code=0, state0_code=1, state1_code=1)
     base.update(codes)
     ptrs = torch.zeros(1, 5, dtype=torch.int64, device=dev)
@@ -384,9 +388,9 @@ BAD_CODES = [
 @pytest.mark.parametrize("codes,message", BAD_CODES, ids=[m for _, m in BAD_CODES])
 def test_compiled_module_checks_the_codes(wrapper, codes, message):
     """The code checks come first, so they answer the same on CPU tensors and on a GPU."""
-    impl, dev = wrapper
+    _, dev = wrapper
     with pytest.raises(RuntimeError, match=message):
-        impl._C.adamw_step(*_c_args(dev, codes))
+        _kernels().adamw_step(*_c_args(dev, codes))
 
 
 @needs_ext
@@ -397,14 +401,12 @@ def test_compiled_module_checks_the_codes(wrapper, codes, message):
 def test_compiled_module_accepts_the_valid_codes(codes, stochastic):
     """Valid codes pass the code checks and stop at the device check (CPU tensors): the signature
     (16 arguments, the stochastic flag last) matches the binding."""
-    from megatron_opt import _C
-
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        _C.adamw_step(*_c_args(torch.device("cpu"), codes, stochastic))
+        _kernels().adamw_step(*_c_args(torch.device("cpu"), codes, stochastic))
 
 
 class _RecordingC:
-    """Stands in for megatron_opt._C: records the adamw_step arguments."""
+    """Stands in for the compiled module (``ops.cuda.kernels``): records the adamw_step arguments."""
 
     def __init__(self):
         self.calls = []
@@ -418,11 +420,11 @@ class _RecordingC:
 @pytest.mark.parametrize("pair", KERNEL_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}".replace("torch.", ""))
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_wrapper_passes_master_state_codes_and_flag(monkeypatch, master, pair, stochastic):
-    from megatron_opt.ops import cuda as impl
+    from megatron_opt.ops import cuda as cuda_wrapper
 
     rec = _RecordingC()
-    monkeypatch.setattr(impl, "_C", rec)
-    monkeypatch.setattr(impl, "_cuda_device", lambda op, grad: grad.device)
+    monkeypatch.setattr(cuda_wrapper, "kernels", rec)
+    monkeypatch.setattr(cuda_wrapper, "cuda_device", lambda op, grad: grad.device)
     s = make_shard(gapped(), FP16, master, pair, seed=7)
     before = clone(s)
     run(s, "cuda-ext", stochastic=stochastic)
@@ -441,35 +443,35 @@ def test_wrapper_passes_master_state_codes_and_flag(monkeypatch, master, pair, s
 def test_wrapper_fallback_runs_the_reference(wrapper, pair, master):
     """Moment pairs without a kernel: the wrapper runs ops.reference on the same tensors (on the CPU
     in cpu-bypass mode), bitwise the reference's result, stochastic rounding and clip included."""
-    impl, dev = wrapper
+    backend, dev = wrapper
     shards = [make_shard(gapped(), BF16, master, pair, seed=8, device=dev),
               make_shard(full_table(100), BF16, master, pair, seed=9, device=dev)]
     ours, theirs = [clone(s) for s in shards], [clone(s) for s in shards]
     lr_wd = ops.lr_wd_table(LR, WD, dev)
     kw = dict(lr_wd=lr_wd, grad_scale=torch.tensor([0.5], device=dev) * 0.75,
               step=torch.tensor([4], device=dev), beta1=BETA1, beta2=BETA2, eps=EPS, stochastic_rounding=True)
-    impl.adamw_step_planned(ops.StepPlan(tuple(ours)), **kw)
+    ops.adamw_step_planned(ops.StepPlan(tuple(ours)), **kw, backend=backend)
     for s in theirs:
-        ref.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=LR, weight_decay=WD,
+        ops.adamw_step(s.grad, s.master, s.state[0], s.state[1], s.param_out, s.table, lr=LR, weight_decay=WD,
                        grad_scale=kw["grad_scale"], step=kw["step"], beta1=BETA1, beta2=BETA2, eps=EPS,
-                       stochastic_rounding=True)
+                       stochastic_rounding=True, backend="reference")
     for a, b in zip(ours, theirs):
         assert_bitwise(a, b, "fallback vs reference")
     assert not torch.equal(as_bits(ours[0].master), as_bits(shards[0].master))
     # the single-shard front takes the same route
     s = make_shard(gapped(), FP32, master, pair, seed=10, device=dev)
     t = clone(s)
-    impl.adamw_step(s.grad, s.master, *s.state, s.param_out, s.table, lr=LR, weight_decay=WD,
-                    grad_scale=torch.ones(1, device=dev), step=torch.tensor([1], device=dev), beta1=BETA1,
-                    beta2=BETA2, eps=EPS, stochastic_rounding=True)
-    ref.adamw_step(t.grad, t.master, *t.state, t.param_out, t.table, lr=LR, weight_decay=WD,
+    ops.adamw_step(s.grad, s.master, *s.state, s.param_out, s.table, lr=LR, weight_decay=WD,
                    grad_scale=torch.ones(1, device=dev), step=torch.tensor([1], device=dev), beta1=BETA1,
-                   beta2=BETA2, eps=EPS, stochastic_rounding=True)
+                   beta2=BETA2, eps=EPS, stochastic_rounding=True, backend=backend)
+    ops.adamw_step(t.grad, t.master, *t.state, t.param_out, t.table, lr=LR, weight_decay=WD,
+                   grad_scale=torch.ones(1, device=dev), step=torch.tensor([1], device=dev), beta1=BETA1,
+                   beta2=BETA2, eps=EPS, stochastic_rounding=True, backend="reference")
     assert_bitwise(s, t, "single-shard fallback vs reference")
 
 
 def test_wrapper_validates_precision_aware_dtypes(wrapper):
-    impl, dev = wrapper
+    backend, dev = wrapper
     table = full_table(16)
     n = 16
     z = lambda dt=FP32: torch.zeros(n, dtype=dt, device=dev)  # noqa: E731
@@ -477,39 +479,41 @@ def test_wrapper_validates_precision_aware_dtypes(wrapper):
     step = torch.ones(1, dtype=torch.int64, device=dev)
     kw = dict(lr=[1e-3], weight_decay=[0.0], grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
     with pytest.raises(TypeError, match="remainder of a bfloat16 param.*no param_out"):
-        impl.adamw_step(z(), z(torch.int16), z(BF16), z(BF16), None, table, **kw)
+        ops.adamw_step(z(), z(torch.int16), z(BF16), z(BF16), None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="remainder of a bfloat16 param.*float16"):
-        impl.adamw_step(z(), z(torch.int16), z(BF16), z(BF16), z(FP16), table, **kw)
+        ops.adamw_step(z(), z(torch.int16), z(BF16), z(BF16), z(FP16), table, **kw, backend=backend)
     with pytest.raises(TypeError, match="master has dtype torch.bfloat16"):
-        impl.adamw_step(z(), z(BF16), z(BF16), z(BF16), z(BF16), table, **kw)
+        ops.adamw_step(z(), z(BF16), z(BF16), z(BF16), z(BF16), table, **kw, backend=backend)
     with pytest.raises(TypeError, match="exp_avg_sq has dtype torch.float64"):
-        impl.adamw_step(z(), z(), z(BF16), z(torch.float64), None, table, **kw)
+        ops.adamw_step(z(), z(), z(BF16), z(torch.float64), None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="exp_avg has dtype torch.int16"):
-        impl.adamw_step(z(), z(), z(torch.int16), z(), None, table, **kw)
+        ops.adamw_step(z(), z(), z(torch.int16), z(), None, table, **kw, backend=backend)
     sgd_kw = dict(lr=[1e-3], weight_decay=[0.0], grad_scale=one)
     with pytest.raises(TypeError, match="momentum_buffer has dtype torch.bfloat16.*AdamW only, SGD"):
-        impl.sgd_step(z(), z(), z(BF16), None, table, momentum=0.9, **sgd_kw)
+        ops.sgd_step(z(), z(), z(BF16), None, table, momentum=0.9, **sgd_kw, backend=backend)
     with pytest.raises(TypeError, match="master has dtype torch.float16.*AdamW only, SGD"):
-        impl.sgd_step(z(), z(FP16), z(), z(BF16), table, momentum=0.9, **sgd_kw)
+        ops.sgd_step(z(), z(FP16), z(), z(BF16), table, momentum=0.9, **sgd_kw, backend=backend)
     with pytest.raises(TypeError, match="momentum_buffer has dtype torch.float16.*AdamW only"):
-        impl.sgd_step(z(), z(), z(FP16), None, table, momentum=0.0, **sgd_kw)
+        ops.sgd_step(z(), z(), z(FP16), None, table, momentum=0.0, **sgd_kw, backend=backend)
     with pytest.raises(TypeError, match="exp_avg has dtype torch.bfloat16.*AdamW only, Lion"):
-        impl.lion_step(z(), z(), z(BF16), None, table, beta1=BETA1, beta2=BETA2, **sgd_kw)
+        ops.lion_step(z(), z(), z(BF16), None, table, beta1=BETA1, beta2=BETA2, **sgd_kw, backend=backend)
     with pytest.raises(TypeError, match="master has dtype torch.int16.*AdamW only, Lion"):
-        impl.lion_step(z(), z(torch.int16), z(), z(BF16), table, beta1=BETA1, beta2=BETA2, **sgd_kw)
+        ops.lion_step(z(), z(torch.int16), z(), z(BF16), table, beta1=BETA1, beta2=BETA2, **sgd_kw, backend=backend)
     # planned fronts: a plan with 16-bit state is refused before anything is launched
     lr_wd = ops.lr_wd_table([1e-3], [0.0], dev)
     plan16 = ops.StepPlan((ops.ShardOperands(table, z(), z(), (z(BF16),), z(BF16)),))
     with pytest.raises(TypeError, match="AdamW only, SGD takes float32"):
-        impl.sgd_step_planned(plan16, lr_wd=lr_wd, grad_scale=one, momentum=0.9)
+        ops.sgd_step_planned(plan16, lr_wd=lr_wd, grad_scale=one, momentum=0.9, backend=backend)
     with pytest.raises(TypeError, match="AdamW only, Lion takes float32"):
-        impl.lion_step_planned(plan16, lr_wd=lr_wd, grad_scale=one, beta1=BETA1, beta2=BETA2)
+        ops.lion_step_planned(plan16, lr_wd=lr_wd, grad_scale=one, beta1=BETA1, beta2=BETA2, backend=backend)
     plan_rem = ops.StepPlan((ops.ShardOperands(table, z(), z(torch.int16), (z(),), z(BF16)),))
     with pytest.raises(TypeError, match="master dtype torch.int16"):
-        impl.sgd_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, momentum=0.9)
+        ops.sgd_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, momentum=0.9, backend=backend)
     with pytest.raises(ValueError, match="two states"):
-        impl.adamw_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
+        ops.adamw_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS,
+                               backend=backend)
     if dev.type == "cpu":  # accepted: the call reaches the compiled module, which wants CUDA tensors
         for master, po in ((z(torch.int16), z(BF16)), (z(FP16), None), (z(FP16), z(BF16)), (z(), z(FP16))):
             with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-                impl.adamw_step(z(BF16), master, z(BF16), z(), po, table, stochastic_rounding=True, **kw)
+                ops.adamw_step(z(BF16), master, z(BF16), z(), po, table, stochastic_rounding=True, **kw,
+                               backend=backend)
