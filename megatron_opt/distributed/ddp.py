@@ -62,7 +62,8 @@ class DistributedDataParallel(torch.nn.Module):
     @overload
     def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
                  data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-                 expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None) -> None: ...
+                 expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
+                 instance_groups: Optional[tuple[Any, Any]] = None) -> None: ...
 
     @overload
     def __init__(self, config: Any, ddp_config: Any, module: torch.nn.Module, disable_bucketing: bool = False,

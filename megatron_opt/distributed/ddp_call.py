@@ -1,7 +1,7 @@
 """The two ways to construct DistributedDataParallel, resolved into one set of arguments.
 
 megatron_opt's shape is ``(module, ddp_config=None, data_parallel_group=None,
-expert_data_parallel_group=None)``; megatron-core's is ``(config, ddp_config, module,
+expert_data_parallel_group=None, instance_groups=None)``; megatron-core's is ``(config, ddp_config, module,
 disable_bucketing=False, pg_collection=None)``. A call is megatron-core's when it names ``config``
 or ``pg_collection`` or ``disable_bucketing``, or when its first positional argument is not a
 torch module (a TransformerConfig never is); otherwise it is ours. Mixing the two is an error.
@@ -9,12 +9,13 @@ torch module (a TransformerConfig never is); otherwise it is ours. Mixing the tw
 With partial sharding (``num_distributed_optimizer_instances = k > 1``) a megatron-core call also
 takes the intra-instance and inter-instance groups from megatron-core (``pg_collection.intra_dp_cp``
 and ``inter_dist_opt``, or parallel_state's partial data-parallel and inter-instance groups);
-otherwise ``instance_groups`` creates them. ``check_instance_groups`` checks either kind.
+our call shape takes them as ``instance_groups=(intra, inter)`` (e.g. another chunk's
+``intra_instance_group`` / ``inter_instance_group``, so that the chunks of one model share them);
+otherwise ``instance_groups`` creates them for this wrapper. ``check_instance_groups`` checks either kind.
 """
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,7 +28,7 @@ from ..config_conversion import as_ddp_config, check_transformer_config, starts_
 from ..errors import InvalidConfigError, UnsupportedConfigError
 from .layout import partial_sharding
 
-OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group")
+OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group", "instance_groups")
 MEGATRON_CORE = ("config", "ddp_config", "module", "disable_bucketing", "pg_collection")
 
 
@@ -142,20 +143,23 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}.")
     ddp_config = bound.get("ddp_config")
+    given = bound.get("instance_groups")
+    if given is not None and (not isinstance(given, (tuple, list)) or len(given) != 2):
+        raise TypeError("DistributedDataParallel: instance_groups must be a pair (intra-instance group, "
+                        "inter-instance group), e.g. (chunk.intra_instance_group, chunk.inter_instance_group) of "
+                        "another chunk of the same model.")
+    intra, inter = given if given is not None else (None, None)
     return DDPCall(module, as_ddp_config(ddp_config) if ddp_config is not None else DistributedDataParallelConfig(),
-                   bound.get("data_parallel_group"), bound.get("expert_data_parallel_group"))
+                   bound.get("data_parallel_group"), bound.get("expert_data_parallel_group"),
+                   intra_instance_group=intra, inter_instance_group=inter)
 
 
 # ----------------------------------------------------------------------------- partial sharding groups
-# The instance groups this process created, per world: {default group: {(DP ranks, k): (intra, inter)}}.
-# Process groups are per-process objects (torch keeps its own in a process-wide registry); keyed
-# weakly by the world's default group, an entry ends with the world it was created in.
-_CREATED_INSTANCE_GROUPS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_instances: int) -> tuple[Any, Any]:
-    """(intra-instance group, inter-instance group) of this rank, created once per data-parallel group
-    and instance count and then reused (every DDP over the same ranks shares them).
+    """(intra-instance group, inter-instance group) of this rank, newly created. Nothing is cached here
+    (no process-wide state): chunks of one model share groups by passing ``instance_groups``.
 
     The data-parallel ranks, sorted, are split as megatron-core splits them (``layout.PartialSharding``):
     instance i is the i-th block of DP / k consecutive ranks, and the ranks at the same position of
@@ -166,10 +170,6 @@ def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_inst
     """
     ranks = sorted(global_ranks(dp_group))
     split = partial_sharding(len(ranks), num_instances)
-    created = _CREATED_INSTANCE_GROUPS.setdefault(torch.distributed.group.WORLD, {})
-    key = (tuple(ranks), num_instances)
-    if key in created:
-        return created[key]
     me = torch.distributed.get_rank()
     whole_world = len(ranks) == torch.distributed.get_world_size()
     backend = torch.distributed.get_backend(dp_group)
@@ -182,8 +182,7 @@ def instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], num_inst
         group = torch.distributed.new_group(group_ranks, backend=backend, use_local_synchronization=not whole_world)
         if me in group_ranks:
             mine[kind] = group
-    created[key] = (mine["intra"], mine["inter"])
-    return created[key]
+    return mine["intra"], mine["inter"]
 
 
 def check_instance_groups(dp_group: Optional[torch.distributed.ProcessGroup], intra: Any, inter: Any,

@@ -13,6 +13,7 @@ skips loading the extension.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from types import ModuleType
 from typing import Literal, Optional, Sequence
@@ -29,14 +30,25 @@ from .precision import MASTER_DTYPES, STATE_DTYPES
 Backend = Literal["auto", "cuda-ext", "cpu", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "cuda-ext", "cpu", "reference")
 
-_cuda_impl: Optional[ModuleType] = None
-CUDA_EXT_ERROR: Optional[str] = None
-if os.environ.get("MEGATRON_OPT_DISABLE_CUDA_EXT") != "1":
+
+
+def _load_cuda_impl() -> tuple[Optional[ModuleType], Optional[str]]:
+    """(ops.cuda, None) when the compiled extension imports, else (None, why not, in plain words)."""
+    if os.environ.get("MEGATRON_OPT_DISABLE_CUDA_EXT") == "1":
+        return None, "disabled by MEGATRON_OPT_DISABLE_CUDA_EXT=1"
+    if importlib.util.find_spec("megatron_opt._C") is None:  # checked first: importing it would fail obscurely
+        if torch.version.cuda is None:
+            return None, "this torch has no CUDA (a CPU build), so csrc/ was not compiled"
+        return None, ("csrc/ was not compiled when the package was installed (no nvcc then, or "
+                      "MEGATRON_OPT_SKIP_CUDA_BUILD=1); reinstall with `pip install -e . --no-build-isolation`")
     try:
-        from . import cuda as _cuda_impl  # noqa: F811  (imports megatron_opt._C)
-    except ImportError as exc:  # pure-Python install: no extension was built
-        CUDA_EXT_ERROR = str(exc)
-        _cuda_impl = None
+        from . import cuda
+    except ImportError as exc:
+        return None, f"the compiled extension does not import: {exc}"
+    return cuda, None
+
+
+_cuda_impl, CUDA_EXT_ERROR = _load_cuda_impl()
 
 HAS_CUDA_EXT = _cuda_impl is not None
 

@@ -157,10 +157,11 @@ def run_broadcast_params(k: int) -> None:
 
 
 def run_groups_are_shared(k: int) -> dict:
-    """Two wrappers with the same instance count reuse the same groups (created once), and the
-    intra/inter groups are the ones megatron-core's parallel_state would build."""
+    """A second chunk given the first one's groups (instance_groups=...) uses exactly them, and the
+    created intra/inter groups are the ones megatron-core's parallel_state would build."""
     a = mo.DistributedDataParallel(TinyLM(), ddp_config(k))
-    b = mo.DistributedDataParallel(TinyLM(), ddp_config(k))
+    b = mo.DistributedDataParallel(TinyLM(), ddp_config(k),
+                                   instance_groups=(a.intra_instance_group, a.inter_instance_group))
     return {"same": a.intra_instance_group is b.intra_instance_group and a.inter_instance_group is b.inter_instance_group,
             "intra": ddp_call.global_ranks(a.intra_instance_group),
             "inter": ddp_call.global_ranks(a.inter_instance_group)}
@@ -240,7 +241,11 @@ def run_megatron_core_groups(k: int, source: str) -> dict:
         pgc = types.SimpleNamespace(dp_cp=dist.group.WORLD, expt_dp=dist.group.WORLD)
         ddp = mo.DistributedDataParallel(_tc(), cfg, model, pg_collection=pgc)
         intra, inter = own_intra, own_inter
-    used = (ddp.intra_instance_group is intra, ddp.inter_instance_group is inter)
+    if source == "created":  # new groups over the ranks megatron-core would choose
+        used = (ddp_call.global_ranks(ddp.intra_instance_group) == ddp_call.global_ranks(intra),
+                ddp_call.global_ranks(ddp.inter_instance_group) == ddp_call.global_ranks(inter))
+    else:
+        used = (ddp.intra_instance_group is intra, ddp.inter_instance_group is inter)
     check_shards(ddp, k)
     reference = mo.DistributedDataParallel(reference_model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
     ours, theirs = _one_step_reduced_grads(ddp, model, False), _one_step_reduced_grads(reference, reference_model, False)

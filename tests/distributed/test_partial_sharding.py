@@ -189,7 +189,7 @@ def test_one_rank_nonfinite_gradient_skips_on_every_rank(pools, mode):
 
 
 # ----------------------------------------------------------------------------- process groups
-def test_instance_groups_created_once_with_megatron_core_ranks(pools):
+def test_instance_groups_passed_to_a_second_chunk_are_used(pools):
     results = pools(DP).run(cases.run_groups_are_shared, 2, timeout=BOUND_S)
     for rank, res in enumerate(results):
         assert res["same"], rank
