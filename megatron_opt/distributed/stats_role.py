@@ -25,12 +25,55 @@ class StatsRole:
     counts: bool  # False: another rank holds these same reduced elements and counts them
 
     @staticmethod
-    def counts_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int = 0) -> bool:
-        """Whether ``param``'s elements add to the norm: shared params count once (elsewhere), and
-        params that tensor parallelism duplicates count on TP rank 0 only."""
-        if getattr(param, "shared", False):
-            return False
-        return bool(getattr(param, "tensor_model_parallel", False)) or tensor_parallel_rank == 0
+    def counts_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int = 0, *,
+                       expert_tensor_parallel_rank: Optional[int] = None) -> bool:
+        """Whether ``param``'s elements add to the norm (``param_counts_in_norm`` on its attributes)."""
+        return param_counts_in_norm(
+            shared=bool(getattr(param, "shared", False)),
+            tensor_model_parallel=bool(getattr(param, "tensor_model_parallel", False)),
+            expert_parallel=getattr(param, "allreduce", True) is False,
+            tensor_parallel_rank=tensor_parallel_rank,
+            expert_tensor_parallel_rank=expert_tensor_parallel_rank,
+        )
+
+
+def param_counts_in_norm(*, shared: bool, tensor_model_parallel: bool, expert_parallel: bool,
+                         tensor_parallel_rank: int, expert_tensor_parallel_rank: Optional[int] = None) -> bool:
+    """Whether a param's elements on this rank add to the world's gradient statistics (megatron-core
+    main's ``param_is_not_shared`` and ``param_is_not_tensor_parallel_duplicate``).
+
+    The last stage's tied copy (``shared``) never counts: the first stage holds the same all-reduced
+    grad. A ``tensor_model_parallel`` param holds a different slice on every TP rank, so it counts on
+    each; a replicated one holds the same grad on every TP rank, so only TP rank 0 counts. Expert
+    params (``allreduce=False``) are replicated over the *expert* TP group, not the dense one, so they
+    are deduplicated by the expert TP rank: 0.16.1 used the dense TP rank and undercounted whenever
+    TP != expert-TP (Megatron-LM #5916, #6470). ``expert_tensor_parallel_rank=None`` keeps the old
+    call shape (the dense rank), which is exact only while expert TP equals dense TP.
+    """
+    if shared:
+        return False
+    if tensor_model_parallel:
+        return True
+    if expert_parallel and expert_tensor_parallel_rank is not None:
+        return expert_tensor_parallel_rank == 0
+    return tensor_parallel_rank == 0
+
+
+def shard_counts(*, sharded: bool, group_rank: int, instance_rank: int) -> bool:
+    """Whether this rank counts the elements of a shard it holds: with partial sharding only instance
+    0 (every instance holds the whole model once); unsharded (all-reduced, every rank of the group
+    holds the same sum) only rank 0 of the group."""
+    return instance_rank == 0 and (sharded or group_rank == 0)
+
+
+def element_counts(*, shared: bool, tensor_model_parallel: bool, expert_parallel: bool, tensor_parallel_rank: int,
+                   expert_tensor_parallel_rank: int, sharded: bool, group_rank: int, instance_rank: int) -> bool:
+    """The whole counting rule for one owned element: its shard counts here and its param is no
+    duplicate of another model-parallel rank's. Summed over the world, each logical element of the
+    model is then counted exactly once (property-tested in tests/unit/test_model_parallel_layout.py)."""
+    return shard_counts(sharded=sharded, group_rank=group_rank, instance_rank=instance_rank) and param_counts_in_norm(
+        shared=shared, tensor_model_parallel=tensor_model_parallel, expert_parallel=expert_parallel,
+        tensor_parallel_rank=tensor_parallel_rank, expert_tensor_parallel_rank=expert_tensor_parallel_rank)
 
 
 def resolve_stats_role(group: Optional[torch.distributed.ProcessGroup], sharded: bool,
@@ -46,8 +89,8 @@ def resolve_stats_role(group: Optional[torch.distributed.ProcessGroup], sharded:
     reaches every rank, not only that rank's instance.
     """
     summed_over = data_parallel_group if instance_count > 1 else group
-    counts = instance_rank == 0 and (sharded or collectives.rank(group) == 0)
+    counts = shard_counts(sharded=sharded, group_rank=collectives.rank(group), instance_rank=instance_rank)
     return StatsRole(groups=(summed_over,) if collectives.world_size(summed_over) > 1 else (), counts=counts)
 
 
-__all__ = ["StatsRole", "resolve_stats_role"]
+__all__ = ["StatsRole", "element_counts", "param_counts_in_norm", "resolve_stats_role", "shard_counts"]
