@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
+from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
@@ -57,17 +57,7 @@ def gapped_table(n: int) -> PieceTable:
     every third piece out of the norm and three param groups."""
     if n == 0:
         return PieceTable((), (), (), (), 0)
-    lens = [5, 1, 17, 3, 250, 64, 9, 1031]
-    gaps = [3, 0, 2, 7, 64, 1, 0, 13]
-    scale = max(1, n // 4000)
-    starts, ends = [], []
-    pos, k = min(3, n - 1), 0
-    while pos < n:
-        e = min(n, pos + lens[k % len(lens)] * scale)
-        starts.append(pos)
-        ends.append(e)
-        pos = e + gaps[k % len(gaps)]
-        k += 1
+    starts, ends = gapped_bounds(n)
     nseg = len(starts)
     in_norm = tuple(i % 3 != 2 for i in range(nseg))
     group = tuple((0, 1, 0, 2)[i % 4] for i in range(nseg))

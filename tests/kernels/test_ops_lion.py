@@ -22,7 +22,7 @@ import torch
 
 import megatron_opt.ops as ops
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, piece_mask, with_gap_garbage
+from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
 
 LR = [1e-2, 3e-3]
@@ -58,17 +58,7 @@ def gapped_table(n: int, ngroups: int = 2) -> PieceTable:
     alternating so that runs of equal group span gaps and touching pieces change group."""
     if n == 0:
         return PieceTable((), (), (), (), 0)
-    lens = [5, 1, 17, 3, 250, 64, 9, 1031]
-    gaps = [3, 0, 2, 7, 64, 1, 0, 13]
-    scale = max(1, n // 4000)
-    starts, ends = [], []
-    pos, k = min(3, n - 1), 0
-    while pos < n:
-        e = min(n, pos + lens[k % len(lens)] * scale)
-        starts.append(pos)
-        ends.append(e)
-        pos = e + gaps[k % len(gaps)]
-        k += 1
+    starts, ends = gapped_bounds(n)
     group = tuple((0, 1, 1, 0)[i % 4] % ngroups for i in range(len(starts)))
     return PieceTable(tuple(starts), tuple(ends), (True,) * len(starts), group, n)
 

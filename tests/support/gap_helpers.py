@@ -75,3 +75,20 @@ def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 
     k = len(lens)
     return PieceTable(tuple(starts), tuple(ends), tuple(i % 4 != 3 for i in range(k)),
                       tuple(i % groups for i in range(k)), pos)
+
+
+def gapped_bounds(n: int) -> tuple[list[int], list[int]]:
+    """Piece (starts, ends) over n elements with gaps (and touching pieces), a misaligned first
+    start and odd lengths, scaled with n: the layout the kernel gap tests share."""
+    lens = [5, 1, 17, 3, 250, 64, 9, 1031]
+    gaps = [3, 0, 2, 7, 64, 1, 0, 13]
+    scale = max(1, n // 4000)
+    starts, ends = [], []
+    pos, k = min(3, n - 1), 0
+    while pos < n:
+        e = min(n, pos + lens[k % len(lens)] * scale)
+        starts.append(pos)
+        ends.append(e)
+        pos = e + gaps[k % len(gaps)]
+        k += 1
+    return starts, ends
