@@ -9,13 +9,15 @@ Flags: Megatron-LM's, with Megatron-LM's meaning (megatron_opt.megatron.argument
 the optimizer, schedule, precision, batch, logging and checkpoint block of a Megatron-LM launch script
 runs with only the entry point changed. Flags for what megatron_opt or this script does not have
 (fp8, tensor/pipeline parallelism, data and tokenizer paths, other model architectures, evaluation,
-...) are all named in one error (exit code 2) before any process group exists; no-op values
-(--tensor-model-parallel-size 1, --attention-dropout 0, ...) are accepted.
+...: "not supported yet: <reason>") and unknown flags ("unknown flag --x; did you mean --y?") are all
+named in one error (exit code 2; torchrun itself then exits 1), printed by rank 0 without the usage
+text, before any process group exists; no-op values (--tensor-model-parallel-size 1,
+--attention-dropout 0, ...) are accepted.
 
 Defaults are Megatron-LM's, except where it has none or a run with no flags should stay a short demo
 (DEMO_DEFAULTS): --lr 3e-3, --train-iters 30, --micro-batch-size 4, --seq-length 64, --hidden-size 128,
---num-layers 2, --num-attention-heads 4, --lr-warmup-iters 5 (Megatron-LM: 0), --log-interval 1
-(Megatron-LM: 100); on --load the checkpoint's schedule is kept unless --override-opt-param-scheduler.
+--num-layers 2, --num-attention-heads 4, --lr-warmup-iters a sixth of --train-iters (5 at 30, 0 at 5;
+Megatron-LM: 0), --log-interval 1 (Megatron-LM: 100); on --load the checkpoint's schedule is kept unless --override-opt-param-scheduler.
 This script's older flags are aliases (LEGACY_ALIASES): --steps, --seq-len, --hidden, --layers, --heads,
 --warmup-steps, --bucket-size; with megatron_opt's --num-microbatches N and --loss-mode per_token|mean.
 
@@ -31,6 +33,12 @@ Checkpoints (megatron_opt.checkpoint): --save DIR every --save-interval iteratio
 --load DIR resumes model, optimizer, schedule, loss scale, iteration, RNG and data position (at any
 data-parallel size; RNG and data position only at the same size); --exit-interval N saves and exits.
 
+Divergence: as Megatron-LM (--check-for-nan-in-loss-and-grad, on by default), a non-finite loss, or
+non-finite gradients outside the fp16 dynamic scaler's backoff, stops every rank (exit code 4, a
+message on stderr, no checkpoint of that state); --no-check-for-nan-in-loss-and-grad trains on, and
+the final "done" line then counts the non-finite iterations. Threads: one intra-op thread per rank
+unless OMP_NUM_THREADS is set (the header line says which).
+
 Hangs: every collective gives up after --distributed-timeout-minutes (default 10), and a watchdog ends
 a rank whose step runs longer than max(--watchdog-min-seconds, --watchdog-multiple x the median step
 time) (exit code 3, with a message on stderr; --watchdog-multiple 0 turns it off).
@@ -44,6 +52,7 @@ import logging
 import math
 import os
 import pydoc
+import sys
 import time
 import warnings
 from typing import Optional, Sequence
@@ -58,8 +67,22 @@ from megatron_opt.megatron import arguments as megatron_args
 from step_watchdog import StepWatchdog  # scripts/step_watchdog.py
 
 # ----------------------------------------------------------------------------- flags
+
+
+class DemoWarmupIters:
+    """The demo's --lr-warmup-iters: a sixth of --train-iters (5 at the default 30), so a short run
+    (--train-iters 5) works without a warmup flag."""
+
+    def __call__(self, args: argparse.Namespace) -> Optional[int]:
+        return None if args.train_iters is None else args.train_iters // 6
+
+    def __repr__(self) -> str:
+        return "train-iters // 6"
+
+
 DEMO_DEFAULTS = {"lr": 3e-3, "train_iters": 30, "micro_batch_size": 4, "seq_length": 64, "hidden_size": 128,
-                 "num_layers": 2, "num_attention_heads": 4, "lr_warmup_iters": 5, "log_interval": 1}
+                 "num_layers": 2, "num_attention_heads": 4, "lr_warmup_iters": DemoWarmupIters(),
+                 "log_interval": 1}
 LEGACY_ALIASES = {"train_iters": "--steps", "seq_length": "--seq-len", "hidden_size": "--hidden",
                   "num_layers": "--layers", "num_attention_heads": "--heads", "lr_warmup_iters": "--warmup-steps",
                   "ddp_bucket_size": "--bucket-size"}
@@ -296,6 +319,44 @@ def use_cuda(choice: str) -> bool:
     return choice == "cuda" or (choice == "auto" and enough)
 
 
+def intra_op_threads() -> tuple[int, str]:
+    """One intra-op thread per rank unless OMP_NUM_THREADS says otherwise (torch already took the
+    user's setting from it): (threads, where the number came from). More threads per rank than cores
+    per rank oversubscribes the machine, and on a busy one that is many times slower."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip():
+        return torch.get_num_threads(), "OMP_NUM_THREADS"
+    torch.set_num_threads(1)
+    return torch.get_num_threads(), "default"
+
+
+NAN_STOP_EXIT_CODE = 4
+
+
+def diverged(result: mo.TrainStepResult) -> bool:
+    """A non-finite loss, or non-finite gradients that no loss scaler will back off from (bf16, fp32,
+    a constant fp16 scale). An fp16 step the dynamic scaler skipped ("overflow") with a finite loss
+    is the scaler's normal backoff, not divergence."""
+    return not math.isfinite(result.loss) or result.skip_reason == "non-finite"
+
+
+def stop_on_nan(rank: int, step: int, result: mo.TrainStepResult, checkpointer, json_log, tensorboard) -> None:
+    """Megatron-LM's --check-for-nan-in-loss-and-grad: stop (no checkpoint of the diverged state)."""
+    what = (f"lm loss is {result.loss}" if not math.isfinite(result.loss)
+            else f"the gradients are non-finite (lm loss {result.loss:.4f}); the step was skipped")
+    if rank == 0:
+        print(f"pretrain_gpt.py: stopping at iteration {step}: {what} (--check-for-nan-in-loss-and-grad, "
+              f"on by default): the run diverged; lower --lr or raise --lr-warmup-iters "
+              f"(--no-check-for-nan-in-loss-and-grad trains on). Exiting with code {NAN_STOP_EXIT_CODE}.",
+              file=sys.stderr, flush=True)
+    checkpointer.close()  # a background save of an earlier, finite iteration completes
+    for log in (json_log, tensorboard):
+        if log is not None:
+            log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(NAN_STOP_EXIT_CODE)
+
+
 # ----------------------------------------------------------------------------- main
 def main() -> None:
     args = parse_args()
@@ -310,8 +371,7 @@ def main() -> None:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     if rank != 0:  # every rank makes the same skip decision; let rank 0 report it
         logging.getLogger("megatron_opt").setLevel(logging.ERROR)
-    if not cuda:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    threads, threads_from = intra_op_threads()
 
     dataset = CharDataset(build_corpus(), args.seq_length, seed=args.seed + rank)  # each rank its own data
     torch.manual_seed(args.seed)
@@ -356,10 +416,12 @@ def main() -> None:
               f"ops backend={mo.ops.backend_for(next(model.parameters()))}, "
               f"{'distributed' if args.use_distributed_optimizer else 'non-distributed'} optimizer, "
               f"loss mode={args.loss_mode}, global batch {gbs} = {args.micro_batch_size} x {args.num_microbatches} "
-              f"micro-batches x DP {world}, {args.train_iters} iterations", flush=True)
+              f"micro-batches x DP {world}, {args.train_iters} iterations, "
+              f"{threads} intra-op thread{'s' if threads > 1 else ''} per rank ({threads_from})", flush=True)
         if args.loss_scale is not None and not (args.fp16 or args.bf16):
             print("note: --loss-scale has no effect without --fp16 or --bf16 (as in Megatron-LM)", flush=True)
     first_loss = last_loss = None
+    non_finite: list[int] = []  # iterations whose loss or gradients were non-finite (not fp16 backoffs)
     skipped_samples = 0
     interval_losses: list[float] = []
     interval_time = 0.0
@@ -389,6 +451,10 @@ def main() -> None:
             print(log_line(step, args, result, interval_losses, interval_time, elapsed, flops, world), flush=True)
         if step % args.log_interval == 0:
             interval_losses, interval_time = [], 0.0
+        if diverged(result):
+            non_finite.append(step)
+            if args.check_for_nan_in_loss_and_grad:  # every rank has the same loss and skip decision
+                stop_on_nan(rank, step, result, checkpointer, json_log, tensorboard)
         exiting = args.exit_interval is not None and step % args.exit_interval == 0
         if args.save is not None:
             checkpointer.check_pending_save()  # a failed background save stops every rank here
@@ -402,7 +468,12 @@ def main() -> None:
     if tensorboard is not None:
         tensorboard.close()
     if rank == 0 and first_loss is not None:
-        print(f"done: loss {first_loss:.4f} -> {last_loss:.4f}", flush=True)
+        # a run that went non-finite (--no-check-for-nan-in-loss-and-grad) says so on its last line
+        diverged_note = (f"; {len(non_finite)} iteration{'s' if len(non_finite) > 1 else ''} had a non-finite loss "
+                         f"or gradients (first {non_finite[0]}, last {non_finite[-1]}), the last loss "
+                         f"{result.loss:.4f}" if non_finite else "")
+        print(f"done: loss {first_loss:.4f} -> {f'{last_loss:.4f}' if last_loss is not None else 'none'}"
+              f"{diverged_note}", flush=True)
     dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks to it can abort
     dist.destroy_process_group()
 

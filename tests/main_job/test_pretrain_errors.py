@@ -1,4 +1,5 @@
-"""scripts/pretrain_gpt.py: invalid flags fail early with a message naming the flag, and the step
+"""scripts/pretrain_gpt.py: invalid flags fail early with a message naming the flag, a diverged run
+stops (--check-for-nan-in-loss-and-grad) while an fp16 scaler backoff does not, and the step
 watchdog ends a rank whose peer has stopped instead of letting it wait for the collective timeout.
 
 Flag checks run in this process (parse_args of the imported script, which is what the script runs
@@ -8,6 +9,8 @@ with the watchdog's code and message within --watchdog-min-seconds plus some sla
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import signal
@@ -27,7 +30,7 @@ pretrain_gpt = load_pretrain_gpt()
 BAD = [
     (["--heads", "3"], ["--hidden 128", "--heads 3", "not divisible"]),
     (["--hidden", "30", "--heads", "4"], ["--hidden 30", "--heads 4"]),
-    (["--steps", "3"], ["--warmup-steps 5", "--steps 3", "lower --warmup-steps or raise --steps"]),
+    (["--steps", "3", "--warmup-steps", "5"], ["--warmup-steps 5", "--steps 3", "lower --warmup-steps or raise --steps"]),
     (["--steps", "10", "--warmup-steps", "-1"], ["--warmup-steps -1"]),
     (["--fp16", "--initial-loss-scale", "inf"], ["--initial-loss-scale", "got inf"]),
     (["--fp16", "--initial-loss-scale", "nan"], ["--initial-loss-scale", "got nan"]),
@@ -90,6 +93,60 @@ def test_command_line_errors_exit_early():
     assert out.returncode != 0, out.stderr[-3000:]
     assert "error: --hidden 128 is not divisible by --heads 3" in out.stderr, out.stderr[-3000:]
     assert "RuntimeError" not in out.stderr and "is invalid for input of size" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- NaN stop
+TINY = ["--hidden-size", "32", "--num-layers", "1", "--num-attention-heads", "2", "--seq-length", "16",
+        "--micro-batch-size", "2"]
+
+
+def _run(tmp_path, world: int, flags: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    log = tmp_path / "log.jsonl"
+    out = subprocess.run([*TORCHRUN, f"--nproc_per_node={world}", SCRIPT, *TINY, *flags, "--log-json", str(log)],
+                         capture_output=True, text=True, timeout=240, env=ENV, cwd=ROOT)
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return out, records
+
+
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]],
+                         ids=["fp32", "bf16", "fp16"])
+def test_diverged_run_stops_with_a_clear_message(tmp_path, precision):
+    """--lr 1e10 diverges: the first non-finite loss stops every rank with exit code 4 and a message
+    (Megatron-LM's --check-for-nan-in-loss-and-grad, on by default), and no "done" line hides it."""
+    out, records = _run(tmp_path, 2, ["--lr", "1e10", "--train-iters", "20", *precision])
+    assert out.returncode != 0, out.stdout[-2000:]
+    match = re.search(r"pretrain_gpt.py: stopping at iteration (\d+): (lm loss is nan|lm loss is inf|the gradients "
+                      r"are non-finite).*--check-for-nan-in-loss-and-grad.*Exiting with code 4", out.stderr)
+    assert match, out.stderr[-3000:]
+    stopped = int(match[1])
+    assert stopped < 20 and [r["iteration"] for r in records] == list(range(1, stopped + 1)), records
+    last = records[-1]
+    assert not math.isfinite(last["lm loss"]) or last["skip_reason"] == "non-finite", last
+    assert "done:" not in out.stdout, out.stdout[-2000:]
+    assert out.stderr.count("pretrain_gpt.py: stopping") == 1  # rank 0 only
+    assert re.search(r"exitcode\s*:\s*4\b", out.stderr), out.stderr[-3000:]  # torchrun's report of the rank
+
+
+def test_nan_check_off_trains_on_and_says_so(tmp_path):
+    out, records = _run(tmp_path, 1, ["--lr", "1e10", "--train-iters", "8", "--no-check-for-nan-in-loss-and-grad"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(records) == 8 and not math.isfinite(records[-1]["lm loss"]), records
+    done = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"done: loss [\d.]+ -> [\d.]+; \d+ iterations? had a non-finite loss or gradients "
+                        r"\(first \d+, last 8\), the last loss nan", done), done
+
+
+def test_fp16_backoff_is_not_a_nan_stop(tmp_path):
+    """fp16 from Megatron-LM's initial loss scale 2**32: the dynamic scaler skips steps while it backs
+    off (overflow); that is not divergence, and the run ends normally."""
+    out, records = _run(tmp_path, 2, ["--fp16", "--train-iters", "24"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    reasons = [r["skip_reason"] for r in records]
+    assert "overflow" in reasons and "non-finite" not in reasons and len(records) == 24, reasons
+    assert None in reasons, reasons  # the scale came down far enough for steps to update
+    assert all(math.isfinite(r["lm loss"]) for r in records)
+    done = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"done: loss [\d.]+ -> [\d.]+", done), done
 
 
 # ----------------------------------------------------------------------------- watchdog

@@ -20,10 +20,15 @@ FLAG_ALIASES = "flag_aliases"  # dest -> the caller's extra option string (add_m
 class ConditionalDefault:
     """The default of a flag that another flag can rule out: it applies only when that flag is
     absent (``--train-iters`` yields to ``--train-samples``, ``--lr-warmup-iters`` to sample-based
-    training and ``--lr-warmup-fraction``); validate_megatron_args resolves it to a value or None."""
+    training and ``--lr-warmup-fraction``); validate_megatron_args resolves it to a value or None.
+    A callable value is a default that scales with the run: called with the namespace, after
+    ``train_iters`` is resolved (a demo's ``--lr-warmup-iters`` as a fraction of ``--train-iters``)."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+    def resolve(self, args: argparse.Namespace) -> Any:
+        return self.value(args) if callable(self.value) else self.value
 
     def __repr__(self) -> str:
         return f"ConditionalDefault({self.value!r})"
@@ -90,6 +95,12 @@ def _add_training_args(g: _Group) -> None:
     g.value("--train-samples", int)
     g.value("--exit-interval", int, help="save (with --save) and exit after an iteration divisible by this")
     g.value("--seed", int, 1234)
+    # Megatron-LM's check, on by default; argparse takes a destination's default from its first flag.
+    g.switch("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", store=False,
+             help="train on when the loss is non-finite (default: stop the run, as Megatron-LM does)")
+    g.switch("--check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+             help="stop the run when the loss, or the gradients outside the fp16 loss scaler's backoff, are "
+                  "non-finite (the default)")
     g.switch("--calculate-per-token-loss",
              help="normalise the loss by the step's supervised token count over all micro-batches and ranks "
                   "(default: the mean of each micro-batch's mean token loss)")

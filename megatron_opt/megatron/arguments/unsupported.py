@@ -2,6 +2,7 @@
 and the one message that names every such flag of a command line before anything runs."""
 from __future__ import annotations
 
+import difflib
 from types import MappingProxyType
 from typing import Mapping, NamedTuple, Optional, Sequence
 
@@ -11,7 +12,6 @@ NOOP_VALUES: Mapping[str, Optional[str]] = MappingProxyType({
     "--expert-model-parallel-size": "1", "--expert-tensor-parallel-size": "1",
     "--sequence-parallel": None,  # Megatron-LM itself turns it off when the tensor-parallel size is 1
     "--ckpt-format": "torch_dist",  # torch.distributed.checkpoint folders, like Megatron-LM's default
-    "--no-check-for-nan-in-loss-and-grad": None,  # there is no such check to turn off
 })
 
 
@@ -75,18 +75,26 @@ UNSUPPORTED_FLAGS: Mapping[str, UnsupportedFlags] = MappingProxyType({
         ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype", "--use-torch-fsdp2",
          "--use-megatron-fsdp", "--use-custom-fsdp", "--data-parallel-sharding-strategy", "--ddp-num-buckets",
          "--ddp-average-in-collective", "--ddp-pad-buckets", "--ddp-reduce-scatter-with-fp32", "--nccl-ub",
-         "--optimizer-cuda-graph", "--no-align-param-gather", "--muon", "--apply-wd-to-qk-layernorm"),
+         "--optimizer-cuda-graph", "--no-align-param-gather", "--muon", "--apply-wd-to-qk-layernorm",
+         "--manual-gc", "--empty-unused-memory-level", "--exit-duration-in-mins", "--exit-signal-handler",
+         "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval"),
         "not implemented by megatron_opt or by this script"),
 })
 
-NOT_A_FLAG = "not a flag this script implements"
+UNKNOWN = "unknown flag"  # not a flag of the program, nor one of UNSUPPORTED_FLAGS' Megatron-LM flags
+NOT_YET = "not supported yet"  # a Megatron-LM flag of UNSUPPORTED_FLAGS
 
 
 def unsupported_flags_message(extras: Sequence[str], program: str, *, reasons: Optional[Mapping[str, str]] = None,
-                              noop_values: Optional[Mapping[str, Optional[str]]] = None) -> Optional[str]:
-    """One message naming every flag of ``extras`` (what ``parse_known_args`` did not know) with the
-    reason it is not supported, or None when each is an accepted no-op. ``reasons`` (feature of
-    UNSUPPORTED_FLAGS -> text) rephrases a reason for the program; ``noop_values`` adds to NOOP_VALUES."""
+                              noop_values: Optional[Mapping[str, Optional[str]]] = None,
+                              known_flags: Sequence[str] = ()) -> Optional[str]:
+    """One message naming every flag of ``extras`` (what ``parse_known_args`` did not know), or None
+    when each is an accepted no-op. A Megatron-LM flag megatron_opt does not implement (UNSUPPORTED_FLAGS)
+    reads ``--data-path x: not supported yet: <reason>``; any other is ``unknown flag --micro-batch-szie;
+    did you mean --micro-batch-size?`` (the closest of ``known_flags``, the program's own option
+    strings, when one is close). ``reasons`` (feature of UNSUPPORTED_FLAGS -> text) rephrases a
+    reason for the program; ``noop_values`` adds to NOOP_VALUES. One flag: its line alone; more: a
+    count, then a line each."""
     noop = {**NOOP_VALUES, **(noop_values or {})}
     unknown = sorted(set(reasons or {}) - set(UNSUPPORTED_FLAGS))
     if unknown:
@@ -94,18 +102,36 @@ def unsupported_flags_message(extras: Sequence[str], program: str, *, reasons: O
     bad = [(flag, values) for flag, values in _group_words(extras) if not _is_noop(flag, values, noop)]
     if not bad:
         return None
-    lines = [f"  {' '.join([flag, *values])}: {_reason(flag, reasons or {})}" for flag, values in bad]
+    lines = [_line(flag, values, reasons or {}, known_flags, noop) for flag, values in bad]
+    not_yet = any(UNKNOWN not in line for line in lines)
     accepted = ", ".join(f"{k} {v}" if v is not None else k for k, v in noop.items())
-    return (f"{len(bad)} flag{'s' if len(bad) > 1 else ''} not supported by {program} (nothing was run):\n"
-            + "\n".join(lines)
-            + f"\nRemove {'them' if len(bad) > 1 else 'it'}. Megatron-LM flags accepted as no-ops here: {accepted}.")
+    footer = f"\nMegatron-LM flags accepted as no-ops here: {accepted}." if not_yet else ""
+    if len(lines) == 1:
+        return lines[0] + footer
+    return (f"{len(bad)} flags refused by {program} (nothing was run):\n" + "\n".join("  " + line for line in lines)
+            + footer)
 
 
-def _reason(flag: str, reasons: Mapping[str, str]) -> str:
+def _feature(flag: str) -> Optional[str]:
     for feature, unsupported in UNSUPPORTED_FLAGS.items():
         if flag.startswith(unsupported.prefixes):
-            return reasons.get(feature, unsupported.reason)
-    return NOT_A_FLAG
+            return feature
+    return None
+
+
+def _line(flag: str, values: list[str], reasons: Mapping[str, str], known_flags: Sequence[str],
+          noop: Mapping[str, Optional[str]]) -> str:
+    known = [f for f in known_flags if f.startswith("--")]
+    feature = _feature(flag)
+    if feature is None and flag in noop:  # a Megatron-LM flag accepted only with its no-op value
+        want = f"only as {flag} {noop[flag]}" if noop[flag] is not None else f"only as {flag} without a value"
+        return f"{' '.join([flag, *values])}: {NOT_YET}: accepted {want}, a no-op here"
+    # A feature's prefix (--log-) also covers typos of the program's own flags (--log-intervall): a flag
+    # this close to one of them is taken for a typo.
+    if feature is None or difflib.get_close_matches(flag, known, n=1, cutoff=0.9):
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        return f"{UNKNOWN} {flag}" + (f"; did you mean {close[0]}?" if close else "")
+    return f"{' '.join([flag, *values])}: {NOT_YET}: {reasons.get(feature, UNSUPPORTED_FLAGS[feature].reason)}"
 
 
 def _group_words(extras: Sequence[str]) -> list[tuple[str, list[str]]]:

@@ -78,8 +78,8 @@ def _resolve_conditional_defaults(args: argparse.Namespace) -> None:
     excluded = {"train_iters": sample_based, "lr_warmup_iters": sample_based or args.lr_warmup_fraction is not None}
     for dest, ruled_out in excluded.items():
         value = getattr(args, dest)
-        if isinstance(value, ConditionalDefault):
-            setattr(args, dest, None if ruled_out else value.value)
+        if isinstance(value, ConditionalDefault):  # in order: a callable lr_warmup_iters sees train_iters
+            setattr(args, dest, None if ruled_out else value.resolve(args))
 
 
 # Flags Megatron-LM has no default for.
