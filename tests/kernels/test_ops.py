@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, piece_mask, with_gap_garbage
+from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
@@ -774,12 +774,7 @@ def test_cuda_adamw_param_out_aliasing_fp32_master():
 @needs_cuda
 def test_cuda_adamw_many_groups_uploaded():
     """More groups than fit in the kernel arguments: the table is uploaded to the device."""
-    n, ng = 20000, 100
-    starts = tuple(range(0, n, n // ng))
-    ends = tuple(s + n // ng - 3 for s in starts)
-    table = PieceTable(starts, ends, (True,) * ng, tuple(range(ng)), n)
-    lr = [1e-3 * (1 + i % 7) for i in range(ng)]
-    wd = [0.01 * (i % 3) for i in range(ng)]
+    table, lr, wd = many_groups_case()
     grad = make_grad(table, torch.float32, seed=8, device=DEV)
     master, m, v = make_state(table, seed=8, device=DEV)
     W, M, V = oracle_adamw(grad, master, m, v, table, lr, wd, 1.0, 5)

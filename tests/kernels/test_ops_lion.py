@@ -22,7 +22,7 @@ import torch
 
 import megatron_opt.ops as ops
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, piece_mask, with_gap_garbage
+from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
 
 LR = [1e-2, 3e-3]
@@ -519,12 +519,7 @@ def test_cuda_lion_param_out_aliasing_fp32_master():
 @needs_cuda
 def test_cuda_lion_many_groups_uploaded():
     """More groups than fit in the kernel arguments: the lr/wd table is uploaded to the device."""
-    n, ng = 20000, 100
-    starts = tuple(range(0, n, n // ng))
-    ends = tuple(s + n // ng - 3 for s in starts)
-    table = PieceTable(starts, ends, (True,) * ng, tuple(range(ng)), n)
-    lr = [1e-3 * (1 + i % 7) for i in range(ng)]
-    wd = [0.01 * (i % 3) for i in range(ng)]
+    table, lr, wd = many_groups_case()
     grad = make_grad(table, torch.float32, seed=8, device=DEV)
     master, m = make_state(table, seed=8, device=DEV)
     W, M, tie = oracle_lion(grad, master, m, table, lr, wd, 1.0)

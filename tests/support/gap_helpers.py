@@ -92,3 +92,12 @@ def gapped_bounds(n: int) -> tuple[list[int], list[int]]:
         pos = e + gaps[k % len(gaps)]
         k += 1
     return starts, ends
+
+
+def many_groups_case(n: int = 20000, ng: int = 100) -> tuple[PieceTable, list[float], list[float]]:
+    """(table, lr, wd) with more param groups than fit in a kernel's arguments, so the lr/wd table
+    is uploaded to the device: one piece per group, lr and wd varying across groups."""
+    starts = tuple(range(0, n, n // ng))
+    ends = tuple(s + n // ng - 3 for s in starts)
+    table = PieceTable(starts, ends, (True,) * ng, tuple(range(ng)), n)
+    return table, [1e-3 * (1 + i % 7) for i in range(ng)], [0.01 * (i % 3) for i in range(ng)]
