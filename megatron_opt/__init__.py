@@ -6,6 +6,7 @@ from .errors import (CheckpointError, ConfigError, InvalidConfigError, RankError
                      UnsupportedConfigError)
 from .distributed.buffers import LateGradientError
 from .distributed.ddp import DistributedDataParallel
+from .distributed.parallel_groups import ModelParallelGroups
 from .distributed.shard_view import GradSource, LocalShard, ShardPiece, assemble_full_tensors
 from .optimizer.chained import ChainedOptimizer
 from .optimizer.distrib_optimizer import DistributedOptimizer
@@ -18,6 +19,7 @@ from .scheduler import OptimizerParamScheduler
 from .training import TrainStepResult, canonical_lr, train_step
 
 __all__ = [
+    "ModelParallelGroups",
     "DistributedDataParallelConfig",
     "OptimizerConfig",
     "ConfigError",

@@ -21,6 +21,7 @@ from .ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES, dtype_names
 
 
 _INF = math.inf
+VERIFY_ACTIONS = ("raise", "warn")  # OptimizerConfig.verify_action: what a failed verification does
 
 
 def _fmt_bound(bound: Any) -> str:
@@ -182,6 +183,11 @@ class OptimizerConfig:
     config_logger_dir: str = ""
     # megatron_opt only: round 16-bit moments stochastically (unbiased) instead of to nearest.
     stochastic_rounding: bool = False
+    # megatron_opt only: verify mode (docs/usage.md, "Verify mode"). Every verify_interval-th call of
+    # step() checks the replicas, the update and the param/master cast (0: off); on a failure
+    # VerificationError is raised on every rank ("raise") or a WARNING logged ("warn").
+    verify_interval: int = 0
+    verify_action: str = "raise"
 
     _UNSUPPORTED = {
         "main_grads_dtype": torch.float32,
@@ -285,6 +291,10 @@ class OptimizerConfig:
         check("loss_scale_window", 1, _INF, hint="clean steps before the dynamic loss scale grows")
         check("hysteresis", 1, _INF, integer=True, hint="overflowing steps before the loss scale backs off")
         check("optimizer_offload_fraction", 0, 1, high_open=False)
+        check("verify_interval", 0, _INF, integer=True, hint="0 turns verify mode off")
+        if self.verify_action not in VERIFY_ACTIONS:
+            raise InvalidConfigError(f"{owner}.verify_action={self.verify_action!r} is not one of "
+                                     f"{', '.join(repr(a) for a in VERIFY_ACTIONS)}.")
 
     @property
     def model_dtype(self) -> torch.dtype:

@@ -49,12 +49,8 @@ _INERT: dict[str, str] = {
 # TransformerConfig fields the data-parallel wrapper and the optimizer depend on, with the only
 # value megatron_opt runs (model parallelism is not implemented: the norm and the buffers would
 # be wrong, not merely slow).
+# Model-parallel sizes are accepted; DistributedDataParallel checks them against its groups.
 _TRANSFORMER_REQUIRED: dict[str, Any] = {
-    "tensor_model_parallel_size": 1,
-    "pipeline_model_parallel_size": 1,
-    "virtual_pipeline_model_parallel_size": None,
-    "context_parallel_size": 1,
-    "expert_model_parallel_size": 1,
     "fp8_param": False,
 }
 
@@ -116,14 +112,13 @@ def is_ours(config: Any) -> bool:
 
 
 def check_transformer_config(config: Any) -> None:
-    """Reject a TransformerConfig asking for model parallelism or fp8 params (not implemented)."""
+    """Reject a TransformerConfig asking for fp8 params (not implemented)."""
     for name, required in _TRANSFORMER_REQUIRED.items():
         value = getattr(config, name, required)
         if not _same(value, required):
             raise UnsupportedConfigError(
                 f"TransformerConfig.{name}={value!r} is not supported by megatron_opt's DistributedDataParallel "
-                f"(data parallelism only: tensor, pipeline, context and expert model parallelism and fp8 params "
-                f"are not implemented); set it to {required!r}.")
+                f"(fp8 params are not implemented); set it to {required!r}.")
 
 
 def starts_gradient_scale_at_one(config: Optional[Any], ddp_config: DistributedDataParallelConfig) -> bool:

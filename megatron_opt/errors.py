@@ -28,4 +28,11 @@ class CheckpointError(RuntimeError):
     problem. A failed load leaves the model and the optimizer untouched."""
 
 
-__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "RankError", "CheckpointError"]
+class VerificationError(RuntimeError):
+    """Verify mode (OptimizerConfig.verify_interval) found a replica, an update or a param/master cast
+    that is wrong; raised on every rank together, never wrapped in RankError. The message names the
+    check ('replica', 'update' or 'cast'), the param, the rank at fault and the size of the difference."""
+
+
+__all__ = ["ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "RankError", "CheckpointError",
+           "VerificationError"]

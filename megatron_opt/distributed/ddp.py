@@ -30,6 +30,7 @@ from .ddp_call import check_instance_groups, global_ranks, instance_groups, pars
 from .layout import build_buffer_layout, partial_sharding
 from .normalisation import GradNormalisation, loss_divisor_factor
 from .shard_view import LocalShard
+from .parallel_groups import ModelParallelGroups
 from .stats_role import resolve_stats_role
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,14 +42,26 @@ class DistributedDataParallel(torch.nn.Module):
     Two call shapes, told apart by the type of the first argument (or by keywords):
 
     * megatron_opt's: ``DistributedDataParallel(module, ddp_config=None, data_parallel_group=None,
-      expert_data_parallel_group=None)``; a step's gradients start scaled by 1/DP, and
-      ``train_step`` sets the step's whole normalisation.
+      expert_data_parallel_group=None, instance_groups=None, model_parallel_groups=None)``; a
+      step's gradients start scaled by 1/DP, and ``train_step`` sets the step's whole normalisation.
     * megatron-core's: ``DistributedDataParallel(config, ddp_config, module, disable_bucketing=False,
       pg_collection=None)`` with ``config`` a TransformerConfig, as Megatron-LM's ``get_model`` calls
       it; megatron-core's semantics: with ``config.calculate_per_token_loss`` the gradient scale
       starts at 1.0 (``finalize_model_grads`` divides by the global token count), else at 1/DP; the
       groups come from ``pg_collection`` (``dp_cp``, ``expt_dp``) or megatron-core's parallel_state
       when it is initialised; ``disable_bucketing`` puts each buffer in one bucket.
+
+    Model parallelism (tensor with sequence parallel, pipeline with virtual stages, context, expert):
+    the gradients are reduced over the data-parallel group (with context parallelism: data x
+    context) and expert params over the expert data-parallel group, so tensor-parallel peers and the
+    first/last stages lay out, and own, the same ranges of a param (the layout is a pure function of
+    the params, their order, the DP size and the bucket size; the shared embedding has its own
+    bucket), which megatron-core's ``finalize_model_grads`` relies on when it all-reduces
+    ``main_grad`` across them. ``model_parallel_groups`` (``ModelParallelGroups``; megatron-core's
+    call shape takes them from pg_collection / parallel_state) gives the tensor and expert-tensor
+    ranks that decide which copy of a replicated param counts in the gradient statistics, and the
+    group (the world by default) the statistics and the failure agreements are summed over.
+    Stages after the first get one bucket per buffer, as in megatron-core.
 
     ``ddp_config`` may be ours or megatron-core's DistributedDataParallelConfig (converted field by
     field; an unsupported value raises UnsupportedConfigError naming it).
@@ -63,7 +76,8 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
                  data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
                  expert_data_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
-                 instance_groups: Optional[tuple[Any, Any]] = None) -> None: ...
+                 instance_groups: Optional[tuple[Any, Any]] = None,
+                 model_parallel_groups: Optional[ModelParallelGroups] = None) -> None: ...
 
     @overload
     def __init__(self, config: Any, ddp_config: Any, module: torch.nn.Module, disable_bucketing: bool = False,
@@ -78,6 +92,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp_config = call.ddp_config
         self.disable_bucketing = call.disable_bucketing
         data_parallel_group, expert_data_parallel_group = call.data_parallel_group, call.expert_data_parallel_group
+        self.model_parallel_groups = call.model_parallel
         self.data_parallel_group = data_parallel_group
         self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
         self._check_membership(data_parallel_group, "data_parallel_group")
@@ -139,6 +154,7 @@ class DistributedDataParallel(torch.nn.Module):
         items += [(f"ddp_config.{f.name}", getattr(self.ddp_config, f.name))
                   for f in dataclasses.fields(self.ddp_config)]
         items.append(("data-parallel size", self.dp_size))
+        items.append(("model-parallel sizes", self.model_parallel_groups.sizes()))
         if self.ddp_config.num_distributed_optimizer_instances > 1:
             items.append(("expert params share the data-parallel group", self._experts_share_dp_group(named)))
         return items
@@ -202,8 +218,10 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size = cfg.bucket_size
         if bucket_size is None and cfg.overlap_grad_reduce:
             bucket_size = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron-LM's default
-        if self.disable_bucketing:
-            bucket_size = None  # megatron-core's disable_bucketing: one bucket per buffer
+        if self.disable_bucketing or self.model_parallel_groups.pipeline_parallel_rank > 0:
+            # megatron-core's disable_bucketing, and its rule for pipeline stages after the first (their
+            # gradient reduction is off the critical path): one bucket per buffer.
+            bucket_size = None
         buffers = []
         for (_, grad_dtype, is_expert), members in groups.items():
             full_group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
@@ -292,7 +310,8 @@ class DistributedDataParallel(torch.nn.Module):
             is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
             rank=buf.rank, shard_count=buf.shard_count,
             unscale_factor=self._normalisation.unscale_factor(buf.grad_prescale),
-            stats_role=resolve_stats_role(buf.group, sharded, buf.data_parallel_group, instance_rank, instance_count),
+            stats_role=resolve_stats_role(buf.group, sharded, buf.data_parallel_group, instance_rank, instance_count,
+                                          self.model_parallel_groups),
             grad_prescale=buf.grad_prescale,
             data_parallel_group=buf.data_parallel_group, inter_instance_group=buf.inter_group,
             instance_count=instance_count, instance_rank=instance_rank,
@@ -461,12 +480,20 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.finish_grad_sync()
         if self.ddp_config.check_for_nan_in_grad:
             flag = self._nonfinite.clone()
-            collectives.all_reduce(flag, self.data_parallel_group)
+            collectives.all_reduce(flag, self._failure_group())
             if int(flag.item()) > 0:  # every rank sees the same reduced count and raises together
                 raise RuntimeError(
                     f"check_for_nan_in_grad: {int(flag.item())} non-finite gradient elements found before "
                     f"the data-parallel reduction. Inspect the loss and the inputs of this step."
                 )
+
+    def _failure_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The ranks that must stop together when one finds a bad gradient: the data-parallel group,
+        and with model parallelism every rank of the model (a tensor- or pipeline-parallel peer that
+        carried on would wait forever in its next collective with this rank)."""
+        if self.model_parallel_groups.is_model_parallel:
+            return self.model_parallel_groups.grad_stats
+        return self.data_parallel_group
 
     def check_params_unchanged(self) -> None:
         """Raise naming the param if the module changed under the wrapper: a param's storage is no

@@ -27,8 +27,10 @@ from ..config import DistributedDataParallelConfig
 from ..config_conversion import as_ddp_config, check_transformer_config, starts_gradient_scale_at_one
 from ..errors import InvalidConfigError, UnsupportedConfigError
 from .layout import partial_sharding
+from .parallel_groups import ModelParallelGroups, from_parallel_state, from_pg_collection
 
-OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group", "instance_groups")
+OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group", "instance_groups",
+        "model_parallel_groups")
 MEGATRON_CORE = ("config", "ddp_config", "module", "disable_bucketing", "pg_collection")
 
 
@@ -44,6 +46,7 @@ class DDPCall:
     # Partial sharding (num_distributed_optimizer_instances > 1): the groups megatron-core gave, or None.
     intra_instance_group: Optional[torch.distributed.ProcessGroup] = None
     inter_instance_group: Optional[torch.distributed.ProcessGroup] = None
+    model_parallel: ModelParallelGroups = ModelParallelGroups()
 
 
 def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, shape: str) -> dict[str, Any]:
@@ -71,15 +74,26 @@ def is_megatron_core_call(args: tuple, kwargs: dict) -> bool:
     return False
 
 
-def _megatron_core_groups(pg_collection: Any, num_instances: int) -> tuple[Any, Any, Any, Any]:
+def _megatron_core_groups(pg_collection: Any, num_instances: int) -> tuple[Any, Any, Any, Any, ModelParallelGroups]:
     """(data-parallel group with context parallel, expert data-parallel group, intra-instance group,
-    inter-instance group), as megatron-core's DDP picks them: from pg_collection, else from
-    parallel_state when it is initialised, else the world (the instance groups: None, created later)."""
+    inter-instance group, model-parallel groups), as megatron-core's DDP picks them: from
+    pg_collection, else from parallel_state when it is initialised, else the world (the instance
+    groups: None, created later)."""
     if pg_collection is not None:
         dp = getattr(pg_collection, "dp_cp", None)
         if dp is None:
             raise ValueError("DistributedDataParallel: pg_collection has no 'dp_cp' group; megatron-core's "
                              "ProcessGroupCollection.use_mpu_process_groups() builds a complete one.")
+        model_parallel = from_pg_collection(pg_collection)
+        expert_dp = getattr(pg_collection, "expt_dp", None)
+        if expert_dp is None:
+            if model_parallel.expert_parallel_size > 1:
+                raise ValueError(
+                    f"DistributedDataParallel: pg_collection has an expert-parallel group of "
+                    f"{model_parallel.expert_parallel_size} ranks but no 'expt_dp' group; expert params are reduced "
+                    f"over the expert data-parallel group, never the dense one. Give pg_collection.expt_dp "
+                    f"(ProcessGroupCollection.use_mpu_process_groups() does).")
+            expert_dp = dp
         intra = inter = None
         if num_instances > 1:
             intra = getattr(pg_collection, "intra_dp_cp", None)
@@ -90,18 +104,10 @@ def _megatron_core_groups(pg_collection: Any, num_instances: int) -> tuple[Any, 
                                  f"pg_collection has '{have}' but no '{lack}'; give both (megatron-core's "
                                  f"ProcessGroupCollection.use_mpu_process_groups() does) or neither (megatron_opt "
                                  f"then creates them).")
-        return dp, getattr(pg_collection, "expt_dp", None) or dp, intra, inter
+        return dp, expert_dp, intra, inter, model_parallel
     parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
-        for what, size in (("tensor", parallel_state.get_tensor_model_parallel_world_size()),
-                           ("pipeline", parallel_state.get_pipeline_model_parallel_world_size()),
-                           ("context", parallel_state.get_context_parallel_world_size()),
-                           ("expert", parallel_state.get_expert_model_parallel_world_size())):
-            if size != 1:
-                raise UnsupportedConfigError(
-                    f"megatron-core's parallel_state has {what}-model-parallel size {size}; megatron_opt's "
-                    f"DistributedDataParallel implements data parallelism only. Initialise model parallelism "
-                    f"with size 1.")
+    model_parallel = from_parallel_state()
+    if model_parallel is not None:
         dp = parallel_state.get_data_parallel_group(with_context_parallel=True)
         intra = inter = None
         if num_instances > 1:
@@ -114,8 +120,22 @@ def _megatron_core_groups(pg_collection: Any, num_instances: int) -> tuple[Any, 
                     f"DistributedDataParallel: num_distributed_optimizer_instances={num_instances} but megatron-core's "
                     f"parallel_state has no inter-instance group: initialise it with initialize_model_parallel("
                     f"num_distributed_optimizer_instances={num_instances}).")
-        return dp, parallel_state.get_expert_data_parallel_group(), intra, inter
-    return None, None, None, None
+        return dp, parallel_state.get_expert_data_parallel_group(), intra, inter, model_parallel
+    return None, None, None, None, ModelParallelGroups()
+
+
+def _check_sizes_match(config: Any, model_parallel: ModelParallelGroups) -> None:
+    """The TransformerConfig's parallel sizes must be those of the groups the gradients use: a model
+    built for TP=2 wrapped over TP=1 groups would count and reduce its shards wrongly."""
+    sizes = model_parallel.sizes()
+    for field, dimension in (("tensor_model_parallel_size", "tensor"), ("pipeline_model_parallel_size", "pipeline"),
+                             ("context_parallel_size", "context"), ("expert_model_parallel_size", "expert")):
+        wanted = getattr(config, field, 1) or 1
+        if wanted != sizes[dimension]:
+            raise UnsupportedConfigError(
+                f"TransformerConfig.{field}={wanted} but the {dimension}-parallel group this rank is in has "
+                f"{sizes[dimension]} rank(s). Initialise megatron-core's parallel_state (initialize_model_parallel) "
+                f"or pass a pg_collection with the sizes the model was built for.")
 
 
 def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
@@ -130,12 +150,13 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
             raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}.")
         check_transformer_config(config)
         ddp_config = as_ddp_config(bound["ddp_config"])
-        dp, expert_dp, intra, inter = _megatron_core_groups(bound.get("pg_collection"),
-                                                            ddp_config.num_distributed_optimizer_instances)
+        dp, expert_dp, intra, inter, model_parallel = _megatron_core_groups(
+            bound.get("pg_collection"), ddp_config.num_distributed_optimizer_instances)
+        _check_sizes_match(config, model_parallel)
         return DDPCall(module, ddp_config, dp, expert_dp, transformer_config=config,
                        disable_bucketing=bool(bound.get("disable_bucketing", False)),
                        grad_scale_starts_at_one=starts_gradient_scale_at_one(config, ddp_config),
-                       intra_instance_group=intra, inter_instance_group=inter)
+                       intra_instance_group=intra, inter_instance_group=inter, model_parallel=model_parallel)
     bound = _bind(OURS, args, kwargs, "megatron_opt")
     if "module" not in bound:
         raise TypeError("DistributedDataParallel needs the module to wrap: DistributedDataParallel(module, ddp_config).")
@@ -149,9 +170,19 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
                         "inter-instance group), e.g. (chunk.intra_instance_group, chunk.inter_instance_group) of "
                         "another chunk of the same model.")
     intra, inter = given if given is not None else (None, None)
+    model_parallel = bound.get("model_parallel_groups") or ModelParallelGroups()
+    if not isinstance(model_parallel, ModelParallelGroups):
+        raise TypeError(f"DistributedDataParallel: model_parallel_groups must be a megatron_opt.ModelParallelGroups, "
+                        f"got {type(model_parallel).__name__}.")
+    expert_dp = bound.get("expert_data_parallel_group")
+    if model_parallel.expert_parallel_size > 1 and expert_dp is None:
+        raise ValueError(f"DistributedDataParallel: model_parallel_groups has an expert-parallel group of "
+                         f"{model_parallel.expert_parallel_size} ranks, so expert params need their own "
+                         f"expert_data_parallel_group (the dense data-parallel group would reduce them with the "
+                         f"wrong ranks); pass expert_data_parallel_group.")
     return DDPCall(module, as_ddp_config(ddp_config) if ddp_config is not None else DistributedDataParallelConfig(),
-                   bound.get("data_parallel_group"), bound.get("expert_data_parallel_group"),
-                   intra_instance_group=intra, inter_instance_group=inter)
+                   bound.get("data_parallel_group"), expert_dp,
+                   intra_instance_group=intra, inter_instance_group=inter, model_parallel=model_parallel)
 
 
 # ----------------------------------------------------------------------------- partial sharding groups

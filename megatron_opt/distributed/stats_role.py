@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .. import collectives
+from .parallel_groups import ModelParallelGroups
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,22 @@ class StatsRole:
 
     groups: tuple[Optional[torch.distributed.ProcessGroup], ...]  # summed over each in turn; () on one rank
     counts: bool  # False: another rank holds these same reduced elements and counts them
+    # Which model-parallel copy of a replicated param this rank holds (0: the one that counts).
+    tensor_parallel_rank: int = 0
+    expert_tensor_parallel_rank: Optional[int] = None  # None: unknown, the dense rank decides (old call shape)
+    # True: ``groups`` already reach every model-parallel peer (the world), so nothing may add them again.
+    spans_model_parallel: bool = False
 
-    @staticmethod
-    def counts_in_norm(param: torch.nn.Parameter, tensor_parallel_rank: int = 0, *,
-                       expert_tensor_parallel_rank: Optional[int] = None) -> bool:
-        """Whether ``param``'s elements add to the norm (``param_counts_in_norm`` on its attributes)."""
+    def counts_in_norm(self, param: torch.nn.Parameter, tensor_parallel_rank: Optional[int] = None) -> bool:
+        """Whether ``param``'s elements add to the norm on this rank (``param_counts_in_norm`` on its
+        attributes); ``tensor_parallel_rank`` overrides the rank the shard was published with."""
+        given = tensor_parallel_rank is not None
         return param_counts_in_norm(
             shared=bool(getattr(param, "shared", False)),
             tensor_model_parallel=bool(getattr(param, "tensor_model_parallel", False)),
             expert_parallel=getattr(param, "allreduce", True) is False,
-            tensor_parallel_rank=tensor_parallel_rank,
-            expert_tensor_parallel_rank=expert_tensor_parallel_rank,
+            tensor_parallel_rank=tensor_parallel_rank if given else self.tensor_parallel_rank,
+            expert_tensor_parallel_rank=None if given else self.expert_tensor_parallel_rank,
         )
 
 
@@ -78,7 +84,8 @@ def element_counts(*, shared: bool, tensor_model_parallel: bool, expert_parallel
 
 def resolve_stats_role(group: Optional[torch.distributed.ProcessGroup], sharded: bool,
                        data_parallel_group: Optional[torch.distributed.ProcessGroup],
-                       instance_rank: int, instance_count: int) -> StatsRole:
+                       instance_rank: int, instance_count: int,
+                       model_parallel: Optional[ModelParallelGroups] = None) -> StatsRole:
     """The role of a shard reduced over ``group`` (sharded: reduce-scattered, each rank owns a part;
     else all-reduced, every rank holds it all).
 
@@ -87,9 +94,19 @@ def resolve_stats_role(group: Optional[torch.distributed.ProcessGroup], sharded:
     once: only instance 0 counts, and the sum, like every step decision, runs over the whole
     data-parallel group so that a failure outside the gradients (a missing backward on one rank)
     reaches every rank, not only that rank's instance.
+
+    With model parallelism the sum runs over ``model_parallel.grad_stats`` (the world by default):
+    each rank then holds different params or different copies, the per-param rule
+    (``param_counts_in_norm``, with this rank's TP and expert-TP ranks) keeps one copy of each, and a
+    failure on one tensor- or pipeline-parallel peer reaches every rank.
     """
-    summed_over = data_parallel_group if instance_count > 1 else group
     counts = shard_counts(sharded=sharded, group_rank=collectives.rank(group), instance_rank=instance_rank)
+    if model_parallel is not None and model_parallel.is_model_parallel:
+        return StatsRole(groups=(model_parallel.grad_stats,), counts=counts,
+                         tensor_parallel_rank=model_parallel.tensor_parallel_rank,
+                         expert_tensor_parallel_rank=model_parallel.expert_tensor_parallel_rank,
+                         spans_model_parallel=True)
+    summed_over = data_parallel_group if instance_count > 1 else group
     return StatsRole(groups=(summed_over,) if collectives.world_size(summed_over) > 1 else (), counts=counts)
 
 

@@ -37,7 +37,8 @@ class DistributedOptimizer(MegatronOptimizer):
         expert_parallel: own the expert-parallel buffers (params with allreduce=False) instead of
             the dense ones.
         model_parallel_group: ranks whose shards hold *different* params (TP/PP); the grad stats
-            are summed over it too.
+            are summed over it too (not needed, and not used, when the chunks were wrapped with
+            model-parallel groups: their statistics already sum over every rank).
         tensor_parallel_group: gives the TP rank; params without ``tensor_model_parallel`` count in
             the norm on TP rank 0 only (they are duplicates elsewhere).
         update_rule: overrides the rule the config names (e.g. a custom UpdateRule subclass).
@@ -73,9 +74,9 @@ class DistributedOptimizer(MegatronOptimizer):
         self.shard_group = OptimizerLeaf(store)  # the leaf (the attribute keeps its old name for now)
         self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
                                   self.shard_group.step.device)
-        groups = self.shard_group.stats_groups()
+        # Over the data-parallel replicas only: model-parallel peers hold other params, so other groups.
         collectives.agree(
-            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), groups[0] if groups else None,
+            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), self.shard_group.replica_group(),
             fingerprint=self._fingerprint(), error_type=InvalidConfigError,
             fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
                 "param groups and loss scaler.")
@@ -91,7 +92,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _stats_groups(self) -> list:
         groups = self.shard_group.stats_groups()
-        if self.model_parallel_group is not None:
+        # The shards of a model-parallel DistributedDataParallel already sum over every rank.
+        if self.model_parallel_group is not None and not self.shard_group.stats_span_model_parallel():
             groups.append(self.model_parallel_group)
         return groups
 
@@ -109,7 +111,8 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:
-        return [leaf_view(self.shard_group, self.model_chunks, model_parallel=self.model_parallel_group is not None)]
+        model_parallel = self.model_parallel_group is not None or self.shard_group.stats_span_model_parallel()
+        return [leaf_view(self.shard_group, self.model_chunks, model_parallel=model_parallel)]
 
     def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
         # The data-parallel group: its ranks end a load in one param all-gather.

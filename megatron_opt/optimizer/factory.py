@@ -5,10 +5,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .. import collectives
 from ..config import OptimizerConfig
-from ..errors import InvalidConfigError, UnsupportedConfigError
+from ..errors import InvalidConfigError
 from ..config_conversion import as_optimizer_config, is_ours
+from ..distributed.parallel_groups import from_pg_collection
 from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
@@ -94,7 +94,8 @@ def get_megatron_optimizer(
     ``config`` is megatron_opt's or megatron-core's OptimizerConfig (converted field by field).
     ``config_overrides`` has megatron-core's semantics (see get_param_groups); ``use_gloo_process_groups``
     changes nothing (megatron_opt reduces over the data-parallel group it was given, whatever its
-    backend); ``pg_collection`` may only describe data parallelism; ``dump_param_to_param_group_map``
+    backend); ``pg_collection``'s model-parallel sizes must match the chunks' (the groups themselves
+    come from the chunks, wrapped by DistributedDataParallel); ``dump_param_to_param_group_map``
     saves {param name: group index} with torch.distributed.checkpoint, as megatron-core does.
 
     Returns a DistributedOptimizer, or a ChainedOptimizer of dense and expert children when
@@ -123,7 +124,7 @@ def get_megatron_optimizer(
                 f"{chunk.ddp_config.use_distributed_optimizer}; set both the same."
             )
         megatron_core_call = megatron_core_call or getattr(chunk, "config", None) is not None
-    _check_pg_collection(pg_collection)
+    _check_pg_collection(pg_collection, chunks)
 
     def groups_of(some_chunks: list) -> list[dict]:
         return get_param_groups(some_chunks, config, no_weight_decay_cond, scale_lr_cond, lr_mult, config_overrides)
@@ -154,13 +155,22 @@ def get_megatron_optimizer(
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
 
 
-def _check_pg_collection(pg_collection: Any) -> None:
-    for name in ("tp", "pp", "cp", "ep", "mp"):
-        group = getattr(pg_collection, name, None) if pg_collection is not None else None
-        if group is not None and collectives.world_size(group) > 1:
-            raise UnsupportedConfigError(
-                f"get_megatron_optimizer: pg_collection.{name} spans {collectives.world_size(group)} ranks; megatron_opt "
-                f"implements data parallelism only (model-parallel groups must have size 1).")
+def _check_pg_collection(pg_collection: Any, chunks: Sequence[GradSource]) -> None:
+    """A pg_collection's model-parallel sizes must be those the chunks were wrapped with (their
+    gradient statistics already count each model-parallel copy once with those groups)."""
+    if pg_collection is None:
+        return
+    given = from_pg_collection(pg_collection).sizes()
+    for chunk in chunks:
+        wrapped = getattr(chunk, "model_parallel_groups", None)
+        if wrapped is None:
+            continue
+        for dimension, size in wrapped.sizes().items():
+            if given[dimension] != size:
+                raise InvalidConfigError(
+                    f"get_megatron_optimizer: pg_collection's {dimension}-parallel group has {given[dimension]} "
+                    f"rank(s) but the model chunks were wrapped with {size}; pass the pg_collection the model "
+                    f"was wrapped with (or none).")
 
 
 def _dump_param_groups(chunks: Sequence[GradSource], groups: list[dict], path: str) -> None:

@@ -89,6 +89,17 @@ class OptimizerLeaf:
                 return list(shard.stats_role.groups)
         return []
 
+    def stats_span_model_parallel(self) -> bool:
+        """True when the shards' statistics groups already reach every model-parallel peer."""
+        return any(shard.stats_role.spans_model_parallel for _, shard in self.store.published)
+
+    def replica_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The ranks holding replicas of these params (the data-parallel group; None: the default
+        group): the ones that must have built this optimizer the same way."""
+        for _, shard in self.store.published:
+            return shard.data_parallel_group if shard.data_parallel_group is not None else shard.group
+        return None
+
     # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
         """Pass 1 over every owned shard, one call per launch plan: stats += [non-finite, sum of squares, zeros]."""

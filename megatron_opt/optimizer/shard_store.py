@@ -69,8 +69,10 @@ class ShardStore:
         self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
+        # The shards' stats roles carry the TP ranks DistributedDataParallel knows; an explicit
+        # tensor_parallel_group (megatron_opt's older keyword) overrides the dense one.
         self.shards = self._build_shards(collectives.rank(tensor_parallel_group) if tensor_parallel_group is not None
-                                         else 0)
+                                         else None)
 
     def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id(param) -> (name, param) for every param of the published shards."""
@@ -102,7 +104,7 @@ class ShardStore:
             raise ValueError(f"params missing from every param group: {missing[:5]}; give every trainable param a group.")
         return out
 
-    def _build_shards(self, tensor_parallel_rank: int) -> list[OwnedShard]:
+    def _build_shards(self, tensor_parallel_rank: Optional[int]) -> list[OwnedShard]:
         shards = []
         for source, shard in self.published:
             if not shard.pieces:

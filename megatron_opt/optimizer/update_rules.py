@@ -16,6 +16,8 @@ import torch
 
 from .. import ops
 from ..ops.step_plan import StepPlan
+from . import float64_update as f64
+from .float64_update import Float64Inputs, Float64Update
 
 
 class UpdateRule(abc.ABC):
@@ -44,6 +46,12 @@ class UpdateRule(abc.ABC):
         """The rule's constants, recorded in state dicts for inspection (a load keeps the running
         rule's own constants, as torch.optim keeps the constructor's defaults for new groups)."""
         return asdict(self) if is_dataclass(self) else {}
+
+    def float64_update(self, inputs: Float64Inputs) -> Optional[Float64Update]:
+        """This rule's update of ``inputs`` recomputed in float64, with a per-element bound on the
+        error of fp32 arithmetic (optimizer/float64_update.py): what verify mode's ``update`` check
+        compares pass 2 with. None: the rule has none, and verify mode refuses to run with it."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,9 @@ class AdamW(UpdateRule):
                                beta2=self.beta2, eps=self.eps, found_inf=found_inf,
                                stochastic_rounding=self.stochastic_rounding, backend=backend)
 
+    def float64_update(self, inputs: Float64Inputs) -> Float64Update:
+        return f64.adamw(inputs, self.beta1, self.beta2, self.eps)
+
 
 @dataclass(frozen=True)
 class SGD(UpdateRule):
@@ -96,6 +107,9 @@ class SGD(UpdateRule):
         ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, momentum=self.momentum,
                              nesterov=self.nesterov, found_inf=found_inf, backend=backend)
 
+    def float64_update(self, inputs: Float64Inputs) -> Float64Update:
+        return f64.sgd(inputs, self.momentum, self.nesterov)
+
 
 @dataclass(frozen=True)
 class Lion(UpdateRule):
@@ -111,6 +125,9 @@ class Lion(UpdateRule):
     def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None) -> None:
         ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, beta1=self.beta1, beta2=self.beta2,
                               found_inf=found_inf, backend=backend)
+
+    def float64_update(self, inputs: Float64Inputs) -> Float64Update:
+        return f64.lion(inputs, self.beta1, self.beta2)
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}

@@ -92,11 +92,14 @@ def test_mixed_call_shapes_raise_type_error():
         mo.DistributedDataParallel(TinyLM(), disable_bucketing=True)
 
 
-@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
-def test_model_parallel_transformer_config_is_refused(field):
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size", "expert_model_parallel_size"])
+def test_model_parallel_config_without_matching_groups_is_refused(field):
+    """A model built for a model-parallel size must be wrapped over groups of that size (here none:
+    one process), or its shards would be reduced and counted wrongly."""
     config = _tc()
     setattr(config, field, 2)
-    with pytest.raises(mo.UnsupportedConfigError, match=field):
+    with pytest.raises(mo.UnsupportedConfigError, match=f"{field}=2 but the .* group this rank is in has 1 rank"):
         mo.DistributedDataParallel(config, CoreDDPConfig(), TinyLM())
 
 

@@ -234,7 +234,8 @@ def test_counts_in_norm_keeps_its_tp1_behaviour():
                 for tp_rank in (0, 1):
                     old = (not getattr(p, "shared", False)) and (bool(getattr(p, "tensor_model_parallel", False))
                                                                or tp_rank == 0)
-                    assert StatsRole.counts_in_norm(p, tp_rank) == old
+                    assert StatsRole((), True).counts_in_norm(p, tp_rank) == old
+                    assert StatsRole((), True, tensor_parallel_rank=tp_rank).counts_in_norm(p) == old
 
 
 def test_expert_params_dedup_by_expert_tp_rank():
@@ -245,8 +246,8 @@ def test_expert_params_dedup_by_expert_tp_rank():
     assert not param_counts_in_norm(**dense, tensor_parallel_rank=1, expert_tensor_parallel_rank=0)
     p = torch.nn.Parameter(torch.zeros(2))
     p.allreduce = False
-    assert StatsRole.counts_in_norm(p, 1, expert_tensor_parallel_rank=0)
-    assert not StatsRole.counts_in_norm(p, 0, expert_tensor_parallel_rank=1)
+    assert StatsRole((), True, tensor_parallel_rank=1, expert_tensor_parallel_rank=0).counts_in_norm(p)
+    assert not StatsRole((), True, tensor_parallel_rank=0, expert_tensor_parallel_rank=1).counts_in_norm(p)
 
 
 def test_shard_counts():
