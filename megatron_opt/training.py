@@ -93,11 +93,11 @@ def _batch_size(batch: Any) -> int:
     raise ValueError("train_step cannot infer the micro-batch size; pass samples_per_step.")
 
 
-def _agree(group, failure: Optional[BaseException], aux_names: Optional[list]) -> None:
-    """One small MAX all-reduce: every rank learns whether any rank failed or returned other aux
-    losses, and all raise RankError together."""
+def _agree(groups: list, failure: Optional[BaseException], aux_names: Optional[list]) -> None:
+    """One small MAX all-reduce per group: every rank learns whether any rank failed or returned other
+    aux losses, and all raise RankError together."""
     collectives.agree_each_step(
-        "train_step failed", failure, [group], fingerprint=[("aux loss names", aux_names)], error_type=RankError,
+        "train_step failed", failure, groups, fingerprint=[("aux loss names", aux_names)], error_type=RankError,
         fix="The ranks' loss_fn returned different aux losses: every rank must return the same aux names "
             "(return 0 for a term a rank does not have).")
 
@@ -166,7 +166,7 @@ def train_step(
                                                     dtype=torch.float64, device=device)] +
                                       [t.detach().to(device, torch.float64).reshape(()) for t in terms])
                 if i == last:
-                    _agree(dp_group, None, aux_names)
+                    _agree(model.agreement_groups, None, aux_names)
                     # all counts are known: overlap the one all-reduce with the last backward
                     handle = collectives.all_reduce(totals, dp_group, async_op=True)
                 optimizer.scale_loss(sum(terms)).backward()
@@ -175,7 +175,7 @@ def train_step(
     except Exception as exc:  # noqa: BLE001  (re-raised on every rank by _agree)
         if handle is not None:
             raise  # the last backward failed: the other ranks are already reducing (documented)
-        _agree(dp_group, exc, aux_names)
+        _agree(model.agreement_groups, exc, aux_names)
     handle.wait()
     model.set_loss_divisor(totals[0].clamp(min=1.0))  # only the global count is clamped
 

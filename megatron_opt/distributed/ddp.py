@@ -105,12 +105,19 @@ class DistributedDataParallel(torch.nn.Module):
         except ValueError as exc:
             local_error = str(exc)
         # One collective: a bad param on one rank, or ranks that wrap different models or configs,
-        # raise on every rank here instead of hanging or training different params later.
-        collectives.agree(
-            "DistributedDataParallel", local_error, data_parallel_group, fingerprint=self._fingerprint(named),
-            error_type=ValueError,
-            fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
-                "requires_grad) with the same DistributedDataParallelConfig.")
+        # raise on every rank here instead of hanging or training different params later. With model
+        # parallelism the replicas compare fingerprints and then every rank of the model learns the outcome.
+        def agree_over_replicas() -> None:
+            collectives.agree(
+                "DistributedDataParallel", local_error, data_parallel_group, fingerprint=self._fingerprint(named),
+                error_type=ValueError,
+                fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
+                    "requires_grad) with the same DistributedDataParallelConfig.")
+        if self.model_parallel_groups.is_model_parallel:
+            collectives.raise_together(agree_over_replicas, self.model_parallel_groups.grad_stats,
+                                       "DistributedDataParallel", ValueError)
+        else:
+            agree_over_replicas()
         # The ranks agree on the config, the DP size and whether expert params can be partially
         # sharded, so the checks below raise on every rank or on none.
         self.num_distributed_optimizer_instances = self.ddp_config.num_distributed_optimizer_instances
@@ -488,12 +495,16 @@ class DistributedDataParallel(torch.nn.Module):
                 )
 
     def _failure_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        """The ranks that must stop together when one finds a bad gradient: the data-parallel group,
-        and with model parallelism every rank of the model (a tensor- or pipeline-parallel peer that
-        carried on would wait forever in its next collective with this rank)."""
+        return self.agreement_groups[-1]
+
+    @property
+    def agreement_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
+        """The groups a failure on this rank must reach, in turn: the data-parallel group, and with
+        model parallelism every rank of the model (``model_parallel_groups.grad_stats``; a tensor- or
+        pipeline-parallel peer that carried on would wait forever in its next collective with this rank)."""
         if self.model_parallel_groups.is_model_parallel:
-            return self.model_parallel_groups.grad_stats
-        return self.data_parallel_group
+            return [self.data_parallel_group, self.model_parallel_groups.grad_stats]
+        return [self.data_parallel_group]
 
     def check_params_unchanged(self) -> None:
         """Raise naming the param if the module changed under the wrapper: a param's storage is no
