@@ -66,7 +66,10 @@ setup(
     packages=find_packages(include=["megatron_opt", "megatron_opt.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
-    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard"]},
+    extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard",
+                             # megatron-core's checkpoint writer forks workers that import psutil
+                             # before their error handling: without it every dist_checkpointing save hangs
+                             "psutil"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -2,8 +2,8 @@
 import torch  # noqa: F401  (must precede the compiled extension)
 
 from .config import DistributedDataParallelConfig, OptimizerConfig
-from .errors import (CheckpointError, ConfigError, InvalidConfigError, RankError, StepOrderError,
-                     UnsupportedConfigError)
+from .errors import (CheckpointError, ConfigError, InvalidConfigError, MegatronOptError, RankError, StepOrderError,
+                     UnsupportedConfigError, VerificationError)
 from .distributed.buffers import LateGradientError
 from .distributed.ddp import DistributedDataParallel
 from .distributed.parallel_groups import ModelParallelGroups
@@ -28,6 +28,8 @@ __all__ = [
     "StepOrderError",
     "CheckpointError",
     "RankError",
+    "MegatronOptError",
+    "VerificationError",
     "GradSource",
     "LocalShard",
     "ShardPiece",

@@ -17,6 +17,9 @@ weight-decay groups (none on biases and 1-D params, Megatron's default) and glob
                  clip_grad_norm_ (bf16: fp32 params with torch.autocast(bf16); ZeRO has no masters).
   fsdp2          fully_shard per block and on the root (bf16: MixedPrecisionPolicy(param_dtype=bf16,
                  reduce_dtype=fp32)) + torch.optim.AdamW + clip_grad_norm_.
+  megatron_opt [verify N=n] (only with --mo-verify n,...): megatron_opt with OptimizerConfig(verify_interval=n):
+                 every n-th step() checks replicas, the update (float64) and the param/master cast. Its cost
+                 table gives the mean iteration time (a verified step is one in n, so the median hides it).
   megatron_opt+overlap (only with --mo-overlap): overlap_grad_reduce=True (bucket size
                  --mo-overlap-bucket-size, default Megatron's). overlap_param_gather stays off: its
                  all-gather would run in the background while the other implementations take their
@@ -141,8 +144,9 @@ MO_STATE_LABELS = {"fp32": "", "bf16": " [bf16 m,v]", "bf16+rem": " [bf16 m,v + 
 
 
 class MegatronOpt(Variant):
-    def __init__(self, model, args, device, overlap: bool, state: str = "fp32") -> None:
-        self.name = ("megatron_opt+overlap" if overlap else "megatron_opt") + MO_STATE_LABELS[state]
+    def __init__(self, model, args, device, overlap: bool, state: str = "fp32", verify: int = 0) -> None:
+        self.name = (("megatron_opt+overlap" if overlap else "megatron_opt") + MO_STATE_LABELS[state]
+                     + (f" [verify N={verify}]" if verify else ""))
         self.bf16 = args.dtype == "bf16"
         if self.bf16:
             model.to(torch.bfloat16)
@@ -154,7 +158,7 @@ class MegatronOpt(Variant):
         opt_cfg = mo.OptimizerConfig(
             optimizer="adam", lr=args.lr, weight_decay=args.weight_decay, adam_beta1=args.beta1,
             adam_beta2=args.beta2, adam_eps=args.eps, clip_grad=args.clip_grad, bf16=self.bf16,
-            use_distributed_optimizer=True, **MO_STATES[state],
+            use_distributed_optimizer=True, verify_interval=verify, **MO_STATES[state],
         )
         self.opt = mo.get_megatron_optimizer(opt_cfg, self.ddp)
         self.model = model
@@ -376,7 +380,7 @@ class Runner:
         ev /= dist.get_world_size()
         return dict(
             name=self.name, fb=statistics.median(self.fb), step=statistics.median(self.st),
-            iter=statistics.median(self.it), state_bytes=state_bytes, peak_delta=self.peak_delta,
+            iter=statistics.median(self.it), iter_mean=statistics.fmean(self.it), step_mean=statistics.fmean(self.st), state_bytes=state_bytes, peak_delta=self.peak_delta,
             train_losses=train_losses.cpu(), eval_loss=float(ev), grad_norm=self.norms[-1], params=params,
             peak_reset_ok=self.peak_reset_ok,
         )
@@ -424,6 +428,26 @@ def run_all(makers, init_state: dict, batches, eval_batch, profile_batches, args
         results[r.name]["phases"] = (r.profile_phases(profile_batches)
                                      if profile_batches and isinstance(r.v, MegatronOpt) else None)
     return results
+
+
+def verify_costs(results: dict, device: torch.device) -> list[tuple[str, float, float]]:
+    """(name, mean iteration s, mean step s) of megatron_opt with verify off and of each verify variant
+    (means: one step in N is verified, a median would not see it); max over ranks, a collective."""
+    names = ["megatron_opt"] + [n for n in results if "[verify N=" in n]
+    hi = max_min_over_ranks([v for n in names for v in (results[n]["iter_mean"], results[n]["step_mean"])], device)[0]
+    return [(n, hi[2 * i], hi[2 * i + 1]) for i, n in enumerate(names)]
+
+
+def print_verify_costs(rows: list[tuple[str, float, float]]) -> None:
+    base_it = rows[0][1]
+    print()
+    print("Verify mode (OptimizerConfig.verify_interval=N) against off: mean over the timed steps, max over ranks:")
+    print()
+    print("| implementation | mean iteration ms | mean step ms | iteration overhead vs off |")
+    print("|---|---:|---:|---:|")
+    for i, (name, it, st) in enumerate(rows):
+        overhead = "" if i == 0 else f"{100 * (it / base_it - 1):+.1f}%"
+        print(f"| {name}{' (verify off)' if i == 0 else ''} | {it * 1e3:.1f} | {st * 1e3:.2f} | {overhead} |")
 
 
 def rel_diff(a: dict, b: dict) -> float:
@@ -490,8 +514,17 @@ def main() -> None:
                    help="comma-separated megatron_opt optimizer-state options to run side by side: fp32 (default), "
                         "bf16 (bf16 moments, fp32 masters), bf16+rem (bf16 moments, bf16 params + 16-bit remainders; "
                         "Megatron-LM's precision-aware optimizer)")
+    p.add_argument("--mo-verify", default="",
+                   help="comma-separated verify intervals N (OptimizerConfig.verify_interval): each adds a megatron_opt "
+                        "variant (fp32 state, no overlap) that verifies every N-th step, e.g. 1,100")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
+    try:
+        args.mo_verify = [int(n) for n in args.mo_verify.split(",") if n.strip()]
+    except ValueError:
+        p.error(f"--mo-verify: comma-separated integers, got {args.mo_verify!r}")
+    if any(n < 1 for n in args.mo_verify):
+        p.error("--mo-verify: every interval must be at least 1")
     args.mo_states = [s.strip() for s in args.mo_states.split(",") if s.strip()]
     unknown = [s for s in args.mo_states if s not in MO_STATES]
     if unknown or not args.mo_states:
@@ -542,6 +575,8 @@ def main() -> None:
         for state in args.mo_states]
     if args.mo_overlap:
         makers.append(("megatron_opt+overlap", lambda m: MegatronOpt(m, args, device, overlap=True)))
+    makers += [(f"megatron_opt [verify N={n}]", lambda m, n=n: MegatronOpt(m, args, device, overlap=False, verify=n))
+               for n in args.mo_verify]
     makers += [("ddp+zero", lambda m: DdpZero(m, args, device)), ("fsdp2", lambda m: Fsdp2(m, args, device))]
 
     results = run_all(makers, init_state, batches, eval_batch, profile_batches, args, device)
@@ -553,6 +588,8 @@ def main() -> None:
         hi, lo = max_min_over_ranks([r["fb"], r["step"], r["iter"], r["state_bytes"], r["peak_delta"]], device)
         phases = max_min_over_ranks(r["phases"], device)[0] if r["phases"] else None
         rows.append((name, r, hi, lo, phases))
+
+    verify_rows = verify_costs(results, device) if args.mo_verify else None
 
     def loss_diff(a: dict, b: dict) -> float:
         return float(((a["train_losses"] - b["train_losses"]).abs() / b["train_losses"].abs()).max())
@@ -596,6 +633,8 @@ def main() -> None:
             for name, _, _, _, phases in rows:
                 if phases:
                     print(f"| {name} | " + " | ".join(f"{t * 1e3:.2f}" for t in phases) + " |")
+        if verify_rows:
+            print_verify_costs(verify_rows)
         print()
         print("Numerics after all steps (params: fp32 masters, or the fp32 params where there is no master):")
         print()

@@ -7,12 +7,13 @@
 
 Flags: Megatron-LM's, with Megatron-LM's meaning (megatron_opt.megatron.arguments, docs/usage.md), so
 the optimizer, schedule, precision, batch, logging and checkpoint block of a Megatron-LM launch script
-runs with only the entry point changed. Flags for what megatron_opt or this script does not have
-(fp8, tensor/pipeline parallelism, data and tokenizer paths, other model architectures, evaluation,
+runs with only the entry point changed. Model parallelism (--tensor-model-parallel-size, --sequence-parallel,
+--pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, --expert-model-parallel-size with
+--num-experts) trains megatron-core's GPTModel through its schedule (scripts/pretrain_model_parallel.py).
+Flags for what megatron_opt or this script does not have (fp8, data and tokenizer paths, other model architectures, evaluation,
 ...: "not supported yet: <reason>") and unknown flags ("unknown flag --x; did you mean --y?") are all
 named in one error (exit code 2; torchrun itself then exits 1), printed by rank 0 without the usage
-text, before any process group exists; no-op values (--tensor-model-parallel-size 1,
---attention-dropout 0, ...) are accepted.
+text, before any process group exists; no-op values (--attention-dropout 0, ...) are accepted.
 
 Defaults are Megatron-LM's, except where it has none or a run with no flags should stay a short demo
 (DEMO_DEFAULTS): --lr 3e-3, --train-iters 30, --micro-batch-size 4, --seq-length 64, --hidden-size 128,
@@ -51,7 +52,6 @@ import json
 import logging
 import math
 import os
-import pydoc
 import sys
 import time
 import warnings
@@ -59,12 +59,18 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import megatron_opt as mo
 import megatron_opt.checkpoint  # noqa: F401  (mo.checkpoint)
 from megatron_opt.megatron import arguments as megatron_args
-from step_watchdog import StepWatchdog  # scripts/step_watchdog.py
+# this script's modules, next to it in scripts/
+import pretrain_data
+import pretrain_eval
+import pretrain_logging
+import pretrain_model_parallel
+import pretrain_resume
+from pretrain_model import GPT, gpt_loss, gpt_mean_loss, model_flops_per_iteration
+from step_watchdog import StepWatchdog
 
 # ----------------------------------------------------------------------------- flags
 
@@ -83,19 +89,25 @@ class DemoWarmupIters:
 DEMO_DEFAULTS = {"lr": 3e-3, "train_iters": 30, "micro_batch_size": 4, "seq_length": 64, "hidden_size": 128,
                  "num_layers": 2, "num_attention_heads": 4, "lr_warmup_iters": DemoWarmupIters(),
                  "log_interval": 1}
+DEMO_EVAL_ITERS = 10  # Megatron-LM: 100 (a validation after training stays short in the demo)
 LEGACY_ALIASES = {"train_iters": "--steps", "seq_length": "--seq-len", "hidden_size": "--hidden",
                   "num_layers": "--layers", "num_attention_heads": "--heads", "lr_warmup_iters": "--warmup-steps",
                   "ddp_bucket_size": "--bucket-size"}
 NOOP_VALUES = {"--attention-dropout": "0", "--hidden-dropout": "0",  # the model has no dropout
-               "--attention-backend": "auto",  # torch's scaled_dot_product_attention picks its kernel
-               "--eval-iters": "0"}
+               "--attention-backend": "auto"}  # torch's scaled_dot_product_attention picks its kernel
 UNSUPPORTED_REASONS = {  # megatron_opt.megatron.arguments.UNSUPPORTED_FLAGS' features, as this script lacks them
-    "data": "the script trains on its built-in character-level dataset; there is no data or tokenizer to configure",
+    "data": "this data or tokenizer option is not implemented (supported: --data-path --split --mock-data "
+            "--data-cache-path --no-mmap-bin-files --eod-mask-loss --num-dataset-builder-threads --num-workers "
+            "--tokenizer-type GPT2BPETokenizer|HuggingFaceTokenizer|NullTokenizer --vocab-file --merge-file "
+            "--tokenizer-model --vocab-size --make-vocab-size-divisible-by)",
     "model": "the model is this script's own GPT (learned positions, LayerNorm, GELU MLP, multi-head attention, "
              "no dropout)",
+    "evaluation": "this evaluation option is not implemented (supported: --eval-interval --eval-iters --skip-train)",
     "logging": "this logging option is not implemented (supported: --log-interval, --log-throughput, "
-               "--log-num-zeros-in-grad, --log-timers-to-tensorboard, --log-json, --tensorboard-dir, "
-               "--tensorboard-log-interval)",
+               "--log-num-zeros-in-grad, --log-params-norm, --log-memory-to-tensorboard, "
+               "--log-world-size-to-tensorboard, --log-validation-ppl-to-tensorboard, --log-timers-to-tensorboard, "
+               "--timing-log-level, --timing-log-option, --no-log-loss-scale-to-tensorboard, --log-json, "
+               "--tensorboard-dir, --tensorboard-log-interval)",
     "overlap_param_gather_with_optimizer_step":
         "it overlaps the first model chunk's all-gather with the other chunks' update, and this script builds one "
         "model chunk (Megatron-LM also requires virtual pipeline chunks); megatron_opt's API supports it "
@@ -107,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain_gpt.py", description=__doc__, allow_abbrev=False,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     megatron_args.add_megatron_args(parser, defaults=DEMO_DEFAULTS, aliases=LEGACY_ALIASES)
+    pretrain_data.add_data_args(parser)
+    pretrain_eval.add_eval_args(parser, DEMO_EVAL_ITERS)
+    pretrain_logging.add_logging_args(parser)
+    pretrain_resume.add_checkpoint_args(parser)
+    pretrain_model_parallel.add_args(parser)
     own = parser.add_argument_group("this script's own")
     own.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
                      help="auto: one GPU per local rank when there are enough GPUs (NCCL), else CPU (gloo)")
@@ -130,183 +147,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      f"got {args.watchdog_multiple:g}")
     if not (math.isfinite(args.watchdog_min_seconds) and args.watchdog_min_seconds > 0):
         parser.error(f"--watchdog-min-seconds must be a positive number of seconds, got {args.watchdog_min_seconds:g}")
+    for check in (pretrain_data.check_data_args, pretrain_eval.check_eval_args, pretrain_resume.find_load,
+                  pretrain_resume.check_save, pretrain_model_parallel.check_args):
+        problem = check(args)
+        if problem:
+            parser.error(problem)
+    if args.skip_train and args.load_iteration is None:
+        parser.error("--skip-train evaluates a loaded model: give --load with a checkpoint")
     return args
-
-
-# ----------------------------------------------------------------------------- data
-STDLIB_MODULES = ("collections", "functools", "itertools", "json", "os", "pathlib", "re", "string",
-                  "textwrap", "typing", "argparse", "logging", "dataclasses", "statistics", "heapq")
-
-
-def build_corpus() -> str:
-    parts = []
-    for name in STDLIB_MODULES:
-        module = __import__(name)
-        parts.append(pydoc.getdoc(module))
-        for attr in sorted(dir(module)):
-            obj = getattr(module, attr, None)
-            if not attr.startswith("_") and callable(obj):
-                parts.append(pydoc.getdoc(obj))
-    return "\n\n".join(p for p in parts if p)
-
-
-class CharDataset:
-    """Random-length documents from the corpus; labels past a document's end are ignored (-100)."""
-
-    def __init__(self, text: str, seq_len: int, seed: int) -> None:
-        chars = sorted(set(text))
-        self.vocab = ["<pad>"] + chars
-        index = {c: i + 1 for i, c in enumerate(chars)}
-        self.data = torch.tensor([index[c] for c in text], dtype=torch.long)
-        self.seq_len = seq_len
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def microbatch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.data) - self.seq_len - 1, (size,), generator=self.gen)
-        lengths = torch.randint(self.seq_len // 4, self.seq_len + 1, (size,), generator=self.gen)
-        tokens = torch.stack([self.data[s : s + self.seq_len] for s in starts])
-        labels = torch.stack([self.data[s + 1 : s + self.seq_len + 1] for s in starts])
-        past_end = torch.arange(self.seq_len)[None, :] >= lengths[:, None]
-        return tokens.masked_fill(past_end, 0), labels.masked_fill(past_end, -100)
-
-
-# ----------------------------------------------------------------------------- model
-class Block(torch.nn.Module):
-    """Megatron-LM's default GPT layer: pre-LayerNorm, multi-head causal attention, GELU MLP, biases."""
-
-    def __init__(self, hidden: int, heads: int, ffn_hidden: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(hidden)
-        self.qkv = torch.nn.Linear(hidden, 3 * hidden)
-        self.proj = torch.nn.Linear(hidden, hidden)
-        self.ln2 = torch.nn.LayerNorm(hidden)
-        self.fc1 = torch.nn.Linear(hidden, ffn_hidden)
-        self.fc2 = torch.nn.Linear(ffn_hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).unbind(2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(torch.nn.Module):
-    """Megatron-LM's GPT from its network-size flags (no dropout): learned absolute positions, blocks,
-    a final LayerNorm and the output layer, tied to the input embedding unless
-    --untie-embeddings-and-output-weights. Weights ~ N(0, --init-method-std), each block's output
-    projections N(0, std / sqrt(2 layers)), biases zero, as Megatron-LM initialises them."""
-
-    def __init__(self, vocab: int, args: argparse.Namespace) -> None:
-        super().__init__()
-        hidden, layers = args.hidden_size, args.num_layers
-        self.tok = torch.nn.Embedding(vocab, hidden)
-        self.pos = torch.nn.Embedding(args.max_position_embeddings or args.seq_length, hidden)
-        self.blocks = torch.nn.ModuleList(Block(hidden, args.num_attention_heads, ffn_hidden_size(args))
-                                          for _ in range(layers))
-        self.ln_f = torch.nn.LayerNorm(hidden)
-        tied = not args.untie_embeddings_and_output_weights
-        self.head = None if tied else torch.nn.Linear(hidden, vocab, bias=False)
-        # What --decoupled-lr applies to (megatron-core marks the same params).
-        self.tok.weight.is_embedding_or_output_parameter = True
-        if self.head is not None:
-            self.head.weight.is_embedding_or_output_parameter = True
-        for name, p in self.named_parameters():
-            if p.ndim > 1:
-                scaled = name.endswith(("proj.weight", "fc2.weight"))
-                torch.nn.init.normal_(p, std=args.init_method_std / (math.sqrt(2 * layers) if scaled else 1))
-            elif name.endswith(".bias"):
-                torch.nn.init.zeros_(p)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        x = self.ln_f(x)
-        return F.linear(x, self.tok.weight) if self.head is None else self.head(x)
-
-
-def ffn_hidden_size(args: argparse.Namespace) -> int:
-    return args.ffn_hidden_size or 4 * args.hidden_size
-
-
-def gpt_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token cross-entropies, supervised token count): Megatron's per-token loss form."""
-    tokens, labels = batch
-    logits = model(tokens)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-    return loss, (labels != -100).sum()
-
-
-def gpt_mean_loss(model: torch.nn.Module, batch: tuple) -> tuple[torch.Tensor]:
-    loss_sum, count = gpt_loss(model, batch)
-    return (loss_sum / count.clamp(min=1),)
-
-
-def model_flops_per_iteration(args: argparse.Namespace, vocab: int) -> float:
-    """Training FLOPs of one iteration: 3 x the forward pass (2 per multiply-add) of every matmul,
-    attention scores and values included, over the global batch."""
-    h, layers, s = args.hidden_size, args.num_layers, args.seq_length
-    per_token = layers * (4 * h * h + 2 * h * ffn_hidden_size(args)) + h * vocab
-    forward = args.global_batch_size * (2 * s * per_token + layers * 4 * s * s * h)
-    return 3.0 * forward
-
-
-# ----------------------------------------------------------------------------- logging
-class TensorboardLog:
-    """Megatron-LM's training_log scalars, written by the last rank (as Megatron-LM does)."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # checked by parse_args
-
-        self.args = args
-        self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
-        for key, value in sorted(vars(args).items()):
-            self.writer.add_text(key, str(value), global_step=0)
-
-    def log(self, iteration: int, consumed: int, result: mo.TrainStepResult, skipped_samples: int,
-            iteration_time: float, tflops: float) -> None:
-        if iteration % self.args.tensorboard_log_interval:
-            return
-        scalars = {"learning-rate": result.lr, "batch-size": self.args.global_batch_size, "lm loss": result.loss,
-                   "loss-scale": result.loss_scale, "grad-norm": result.grad_norm, "num-zeros": result.num_zeros}
-        if skipped_samples > 0:
-            self.writer.add_scalar("skipped-train-samples", skipped_samples, iteration)
-        for tag, value in scalars.items():
-            if value is not None:
-                self.writer.add_scalar(tag, value, iteration)
-                self.writer.add_scalar(f"{tag} vs samples", value, consumed)
-        if self.args.log_timers_to_tensorboard:
-            self.writer.add_scalar("iteration-time", iteration_time, iteration)
-            if self.args.log_throughput:
-                self.writer.add_scalar("throughput", tflops, iteration)
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def log_line(step: int, args: argparse.Namespace, result: mo.TrainStepResult, interval_losses: list[float],
-             interval_time: float, elapsed: float, flops: float, world: int) -> str:
-    """Rank 0's text log: Megatron-LM's interval average of the loss (over the steps that updated);
-    the rest is this step's."""
-    loss = sum(interval_losses) / len(interval_losses) if interval_losses else result.loss
-    per_iteration = interval_time / args.log_interval
-    norm = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "skipped"
-    tokens = result.num_tokens if args.loss_mode == "per_token" else args.global_batch_size * args.seq_length
-    zeros = f" | num zeros {result.num_zeros}" if result.num_zeros is not None else ""
-    throughput = f" | TFLOP/s/rank {flops / per_iteration / world / 1e12:.3f}" if args.log_throughput else ""
-    return (f"step {step:4d} | loss {loss:.4f} | grad norm {norm} | loss scale {result.loss_scale:g} "
-            f"| lr {result.lr:.3e} | skipped {result.skipped_steps}{zeros} | tokens/s {tokens / elapsed:,.0f} "
-            f"| ms/iteration {per_iteration * 1000:.1f}{throughput}")
-
-
-def json_record(step: int, consumed_samples: int, result: mo.TrainStepResult) -> str:
-    return json.dumps({
-        "iteration": step, "consumed_samples": consumed_samples, "lm loss": result.loss,
-        "grad_norm": result.grad_norm, "num_zeros": result.num_zeros, "loss_scale": result.loss_scale,
-        "learning_rate": result.lr, "success": result.success, "skip_reason": result.skip_reason,
-        "skipped_iterations": result.skipped_steps, "num_tokens": result.num_tokens}) + "\n"
 
 
 def use_cuda(choice: str) -> bool:
@@ -357,123 +205,267 @@ def stop_on_nan(rank: int, step: int, result: mo.TrainStepResult, checkpointer, 
     sys.exit(NAN_STOP_EXIT_CODE)
 
 
-# ----------------------------------------------------------------------------- main
+
+# ----------------------------------------------------------------------------- the run
+class Job:
+    """One rank's run: the model, optimizer, schedule, data, checkpoints, logs and counters."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cuda = use_cuda(args.device)
+        if self.cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if self.cuda else "gloo",
+                                timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+        library_log = logging.getLogger("megatron_opt")
+        library_log.addFilter(pretrain_logging.DropSkipWarnings())  # the log line counts skipped steps
+        if self.rank != 0:  # every rank makes the same decisions; let rank 0 report them
+            library_log.setLevel(logging.ERROR)
+        self.threads = intra_op_threads()
+        self.build()
+        self.timers = pretrain_logging.PhaseTimers(args.timing_log_level, self.cuda)
+        self.timers.instrument(self.ddp, self.optimizer)
+        self.loss_fn = self.timers.wrap(gpt_loss if args.loss_mode == "per_token" else gpt_mean_loss,
+                                        "forward-compute", level=2)
+        self.checkpointer = mo.checkpoint.Checkpointer()  # holds a background save (--async-save) in flight
+        self.iteration = self.consumed = self.skipped_samples = 0
+        self.consumed_valid = 0
+        self.tensorboard: Optional[pretrain_logging.TensorboardLog] = None
+        self.json_log = None
+        self.losses = Losses()
+
+    def build(self) -> None:
+        """The data, model, DDP, optimizer and schedule (pretrain_model_parallel's Job builds megatron-core's)."""
+        args = self.args
+        self.source = pretrain_data.build_source(args, self.rank, self.world)
+        torch.manual_seed(args.seed)
+        self.dtype = megatron_args.params_dtype_from_args(args)
+        self.model = GPT(self.source.vocab_size, args).to(self.device, self.dtype)
+        self.ddp = mo.DistributedDataParallel(self.model, megatron_args.ddp_config_from_args(args))
+        self.ddp.broadcast_params()
+        self.optimizer = mo.get_megatron_optimizer(megatron_args.optimizer_config_from_args(args), self.ddp)
+        self.scheduler = megatron_args.scheduler_from_args(self.optimizer, args)
+
+    def train_step(self, batches: list) -> mo.TrainStepResult:
+        return mo.train_step(self.ddp, self.optimizer, self.scheduler, batches, self.loss_fn,
+                             loss_mode=self.args.loss_mode, samples_per_step=self.args.global_batch_size)
+
+    def say(self, *lines: str, err: bool = False) -> None:
+        pretrain_logging.print_rank0(self.rank, *lines, err=err)
+
+    # ------------------------------------------------------------------------- checkpoints
+    def resume(self) -> None:
+        args = self.args
+        if args.load_iteration is None:
+            if args.load is not None:
+                self.say(f"pretrain_gpt.py: --load {args.load}: no checkpoint ({args.load_note}); training from scratch")
+            return
+        manifest = mo.checkpoint.directory.read_manifest(mo.checkpoint.resolve(args.load))
+        has_optimizer = "optimizer" in manifest["fingerprint"]
+        if not has_optimizer and not args.no_load_optim:
+            self.say(f"note: {args.load} has no optimizer state (saved with --no-save-optim): loading the model and "
+                     f"schedule, the optimizer starts fresh")
+        command_line = pretrain_resume.schedule_values(self.scheduler)
+        state = self.checkpointer.load(args.load, self.ddp, self.optimizer, self.scheduler,
+                                       load_optimizer=has_optimizer and not args.no_load_optim,
+                                       load_rng=not args.no_load_rng)
+        self.iteration, self.consumed = state.iteration, state.consumed_samples
+        self.source.resume(state.rank_extra, state.iteration)
+        self.say(f"resumed from iteration {state.iteration} (saved at DP={state.saved_data_parallel_size}, "
+                 f"now DP={self.world}) from {state.path}",
+                 *pretrain_resume.resume_warnings(args, state.extra, self.scheduler, command_line))
+
+    def save(self) -> None:
+        args = self.args
+        self.checkpointer.save(
+            args.save, self.ddp, None if args.no_save_optim else self.optimizer, self.scheduler,
+            iteration=self.iteration, consumed_samples=self.consumed, rank_extra=self.source.rank_state(),
+            extra={"global_batch_size": args.global_batch_size,
+                   "schedule": pretrain_resume.schedule_values(self.scheduler)},
+            keep_latest_k=args.keep_latest_k, async_save=args.async_save)
+        self.say(f"saved iteration {self.iteration} to {args.save}{' (in the background)' if args.async_save else ''}")
+
+    # ------------------------------------------------------------------------- evaluation
+    def evaluate(self, split: str, prefix: str, to_tensorboard: bool) -> None:
+        args = self.args
+        consumed = self.consumed_valid if split == "valid" else 0
+        if args.overlap_param_gather:  # the forward pre-hooks gather params only inside a step: sync them now
+            self.ddp.disable_forward_pre_hook()
+        loss = pretrain_eval.evaluate(self.ddp, self.source, split, consumed, args, gpt_loss, self.device)
+        if args.overlap_param_gather:
+            self.ddp.enable_forward_pre_hook()
+        if split == "valid":
+            self.consumed_valid += args.eval_iters * args.global_batch_size
+            if to_tensorboard and self.tensorboard is not None:
+                self.tensorboard.log_validation(loss, self.iteration, self.consumed)
+        self.say(*pretrain_eval.result_lines(prefix, loss))
+
+    # ------------------------------------------------------------------------- logs
+    def open_logs(self) -> None:
+        args = self.args
+        if args.tensorboard_dir is not None and self.rank == self.world - 1:
+            self.tensorboard = pretrain_logging.TensorboardLog(args, self.iteration, self.consumed)
+        if args.log_json is not None and self.rank == 0:
+            self.json_log = open(args.log_json, "a")
+
+    def close_logs(self) -> None:
+        for log in (self.json_log, self.tensorboard):
+            if log is not None:
+                log.close()
+
+    def header(self) -> None:
+        args = self.args
+        n_params = sum(p.numel() for p in self.model.parameters())
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))  # torchrun's launcher (node) count
+        threads, threads_from = self.threads
+        self.say(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={self.world}, "
+                 f"{nodes} node{'s' if nodes > 1 else ''}, device={self.device}, dtype={self.dtype}, "
+                 f"ops backend={mo.ops.backend_for(next(self.model.parameters()))}, "
+                 f"{'distributed' if args.use_distributed_optimizer else 'non-distributed'} optimizer, "
+                 f"loss mode={args.loss_mode}, global batch {args.global_batch_size} = {args.micro_batch_size} x "
+                 f"{args.num_microbatches} micro-batches x DP {self.world}, {args.train_iters} iterations, "
+                 f"{threads} intra-op thread{'s' if threads > 1 else ''} per rank ({threads_from})",
+                 f"data: {self.source.description}")
+        if args.data_split_defaulted:
+            self.say(f"warning: --data-path without --split: using Megatron-LM's legacy default "
+                     f"{pretrain_data.LEGACY_DEFAULT_SPLIT!r}")
+        if self.tensorboard is not None and self.tensorboard.dropped:
+            print(f"tensorboard: dropped {self.tensorboard.dropped} points past iteration {self.iteration} that a "
+                  f"run before this resume had written", flush=True)
+        if args.loss_scale is not None and not (args.fp16 or args.bf16):
+            self.say("note: --loss-scale has no effect without --fp16 or --bf16 (as in Megatron-LM)")
+
+    def log_interval(self, interval: pretrain_logging.Interval, result: mo.TrainStepResult, flops: float,
+                     norm: Optional[float]) -> None:
+        """Megatron-LM's log line (rank 0), its timers and TensorBoard's interval scalars; every rank."""
+        args = self.args
+        memory = torch.tensor(pretrain_logging.memory_now(self.device)[:2], dtype=torch.float64, device=self.device)
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+        timers_text, timers_ms = self.timers.report(args.log_interval, args.timing_log_option)
+        per_iteration = interval.seconds / max(interval.iterations, 1)
+        tflops = flops / per_iteration / self.world / 1e12 if args.log_throughput and per_iteration > 0 else None
+        peak = pretrain_logging.peak_tflops(self.device, self.dtype)
+        mfu = tflops / peak if tflops is not None and peak else None
+        line = pretrain_logging.log_line(self.iteration, args, interval, self.consumed, self.skipped_samples, result,
+                                         tflops, mfu, norm, tuple(memory.tolist()), self.cuda)
+        self.say(line, *([timers_text] if timers_text else []))
+        summary = pretrain_logging.skip_summary(self.iteration, interval, result.loss_scale)
+        if summary:
+            self.say(summary, err=True)
+        if self.tensorboard is not None:
+            self.tensorboard.log_interval(self.iteration, per_iteration, tflops, timers_ms)
+
+    # ------------------------------------------------------------------------- training
+    def train(self) -> bool:
+        """The training loop; True when --exit-interval or a signal stopped it early."""
+        args, timers = self.args, self.timers
+        watchdog = StepWatchdog(self.rank, args.watchdog_multiple, args.watchdog_min_seconds)
+        signals = pretrain_resume.SignalExit(args.exit_signal_handler, self.device)
+        flops = model_flops_per_iteration(args, self.source.vocab_size)
+        interval = pretrain_logging.Interval()
+        do_valid = args.eval_iters > 0 and self.source.has_valid
+        for step in range(self.iteration + 1, args.train_iters + 1):
+            with timers.time("batch-generator", level=2):
+                batches = [tuple(t.to(self.device) for t in batch)
+                           for batch in self.source.train_batches(self.consumed, args.num_microbatches)]
+            with watchdog.step(step):  # checkpoint saves are not watched (the collective timeout covers them)
+                sync_before = timers.totals["all-grads-sync"]
+                start = time.perf_counter()
+                result = self.train_step(batches)
+                if self.cuda:
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - start
+            timers.close_step(elapsed, sync_before)
+            self.iteration = step
+            self.consumed += args.global_batch_size
+            self.skipped_samples += 0 if result.success else args.global_batch_size
+            self.losses.add(step, result)
+            interval.add(result.loss, result.success, not math.isfinite(result.loss), result.skip_reason, elapsed)
+            norm = pretrain_logging.params_norm(self.model) if args.log_params_norm else None
+            if self.json_log is not None:
+                self.json_log.write(json_record(step, self.consumed, result))
+                self.json_log.flush()
+            if self.tensorboard is not None:
+                memory = pretrain_logging.memory_now(self.device) if args.log_memory_to_tensorboard else (0.0,) * 4
+                self.tensorboard.log(step, self.consumed, result, self.skipped_samples, norm, memory, self.world)
+            if step % args.log_interval == 0:
+                self.log_interval(interval, result, flops, norm)
+                interval.reset()
+            if diverged(result):
+                if args.check_for_nan_in_loss_and_grad:  # every rank has the same loss and skip decision
+                    stop_on_nan(self.rank, step, result, self.checkpointer, self.json_log, self.tensorboard)
+            if do_valid and step % args.eval_interval == 0:
+                self.evaluate("valid", f"iteration {step}", to_tensorboard=True)
+            exiting = args.exit_interval is not None and step % args.exit_interval == 0
+            signalled = signals.agreed()
+            if args.save is not None:
+                self.checkpointer.check_pending_save()  # a failed background save stops every rank here
+                if (args.save_interval and step % args.save_interval == 0) or step == args.train_iters or exiting \
+                        or signalled:
+                    self.save()
+            if signalled:
+                self.say(f"exiting after iteration {step}: received SIGTERM (--exit-signal-handler)")
+                return True
+            if exiting:
+                return True
+        return False
+
+
+def json_record(step: int, consumed_samples: int, result: mo.TrainStepResult) -> str:
+    return json.dumps({
+        "iteration": step, "consumed_samples": consumed_samples, "lm loss": result.loss,
+        "grad_norm": result.grad_norm, "num_zeros": result.num_zeros, "loss_scale": result.loss_scale,
+        "learning_rate": result.lr, "success": result.success, "skip_reason": result.skip_reason,
+        "skipped_iterations": result.skipped_steps, "num_tokens": result.num_tokens}) + "\n"
+
+
+class Losses:
+    """For the last line: the first loss, the last one that updated, the last one, and the iterations
+    whose loss or gradients were non-finite (trained on with --no-check-for-nan-in-loss-and-grad)."""
+
+    def __init__(self) -> None:
+        self.first: Optional[float] = None
+        self.last_updated: Optional[float] = None
+        self.last = math.nan
+        self.non_finite: list[int] = []
+
+    def add(self, step: int, result: mo.TrainStepResult) -> None:
+        self.first = result.loss if self.first is None else self.first
+        self.last_updated = result.loss if result.success else self.last_updated
+        self.last = result.loss
+        if diverged(result):
+            self.non_finite.append(step)
+
+    def done_line(self) -> str:
+        """So a diverged run never ends looking fine."""
+        bad = self.non_finite
+        note = (f"; {len(bad)} iteration{'s' if len(bad) > 1 else ''} had a non-finite loss or gradients "
+                f"(first {bad[0]}, last {bad[-1]}), the last loss {self.last:.4f}" if bad else "")
+        last = f"{self.last_updated:.4f}" if self.last_updated is not None else "none"
+        return f"done: loss {self.first:.4f} -> {last}{note}"
+
+
 def main() -> None:
     args = parse_args()
     warnings.filterwarnings("ignore", category=FutureWarning)
-    cuda = use_cuda(args.device)
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo",
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    watchdog = StepWatchdog(rank, args.watchdog_multiple, args.watchdog_min_seconds)
-    device = torch.device("cuda") if cuda else torch.device("cpu")
-    if rank != 0:  # every rank makes the same skip decision; let rank 0 report it
-        logging.getLogger("megatron_opt").setLevel(logging.ERROR)
-    threads, threads_from = intra_op_threads()
-
-    dataset = CharDataset(build_corpus(), args.seq_length, seed=args.seed + rank)  # each rank its own data
-    torch.manual_seed(args.seed)
-    dtype = megatron_args.params_dtype_from_args(args)
-    model = GPT(len(dataset.vocab), args).to(device, dtype)
-    ddp = mo.DistributedDataParallel(model, megatron_args.ddp_config_from_args(args))
-    ddp.broadcast_params()
-    optimizer = mo.get_megatron_optimizer(megatron_args.optimizer_config_from_args(args), ddp)
-    scheduler = megatron_args.scheduler_from_args(optimizer, args)
-    loss_fn = gpt_loss if args.loss_mode == "per_token" else gpt_mean_loss
-    gbs = args.global_batch_size
-    start_iteration = consumed_samples = 0
-    checkpointer = mo.checkpoint.Checkpointer()  # holds a background save (--async-save) in flight
-    if args.load is not None and mo.checkpoint.latest_iteration(args.load) is not None:
-        state = checkpointer.load(args.load, ddp, optimizer, scheduler, load_optimizer=not args.no_load_optim,
-                                  load_rng=not args.no_load_rng)
-        start_iteration, consumed_samples = state.iteration, state.consumed_samples
-        if state.rank_extra is not None and "data" in state.rank_extra:
-            dataset.gen.set_state(state.rank_extra["data"])
-        else:  # another DP size: each rank's data stream starts afresh, away from the first run's
-            dataset.gen.manual_seed(args.seed + rank + 7919 * (start_iteration + 1))
-        if rank == 0:
-            print(f"resumed from iteration {state.iteration} (saved at DP={state.saved_data_parallel_size}, "
-                  f"now DP={world}) from {state.path}", flush=True)
-
-    def save(iteration: int) -> None:
-        checkpointer.save(args.save, ddp, optimizer, scheduler, iteration=iteration, consumed_samples=consumed_samples,
-                          rank_extra={"data": dataset.gen.get_state()}, keep_latest_k=args.keep_latest_k,
-                          async_save=args.async_save)
-        if rank == 0:
-            print(f"saved iteration {iteration} to {args.save}{' (in the background)' if args.async_save else ''}",
-                  flush=True)
-
-    tensorboard = TensorboardLog(args) if args.tensorboard_dir is not None and rank == world - 1 else None
-    json_log = open(args.log_json, "a") if args.log_json is not None and rank == 0 else None
-    flops = model_flops_per_iteration(args, len(dataset.vocab))
-    if rank == 0:
-        n_params = sum(p.numel() for p in model.parameters())
-        nodes = int(os.environ.get("GROUP_WORLD_SIZE", 1))  # torchrun's launcher (node) count
-        print(f"megatron_opt pretrain_gpt: {n_params / 1e6:.2f}M params, DP={world}, "
-              f"{nodes} node{'s' if nodes > 1 else ''}, device={device}, dtype={dtype}, "
-              f"ops backend={mo.ops.backend_for(next(model.parameters()))}, "
-              f"{'distributed' if args.use_distributed_optimizer else 'non-distributed'} optimizer, "
-              f"loss mode={args.loss_mode}, global batch {gbs} = {args.micro_batch_size} x {args.num_microbatches} "
-              f"micro-batches x DP {world}, {args.train_iters} iterations, "
-              f"{threads} intra-op thread{'s' if threads > 1 else ''} per rank ({threads_from})", flush=True)
-        if args.loss_scale is not None and not (args.fp16 or args.bf16):
-            print("note: --loss-scale has no effect without --fp16 or --bf16 (as in Megatron-LM)", flush=True)
-    first_loss = last_loss = None
-    non_finite: list[int] = []  # iterations whose loss or gradients were non-finite (not fp16 backoffs)
-    skipped_samples = 0
-    interval_losses: list[float] = []
-    interval_time = 0.0
-    for step in range(start_iteration + 1, args.train_iters + 1):
-        batches = [tuple(t.to(device) for t in dataset.microbatch(args.micro_batch_size))
-                   for _ in range(args.num_microbatches)]
-        with watchdog.step(step):  # checkpoint saves are not watched (the collective timeout covers them)
-            start = time.perf_counter()
-            result = mo.train_step(ddp, optimizer, scheduler, batches, loss_fn, loss_mode=args.loss_mode,
-                                   samples_per_step=gbs)
-            if cuda:
-                torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-        consumed_samples += gbs
-        skipped_samples += 0 if result.success else gbs
-        first_loss = result.loss if first_loss is None else first_loss
-        last_loss = result.loss if result.success else last_loss
-        if result.success:
-            interval_losses.append(result.loss)
-        interval_time += elapsed
-        if json_log is not None:
-            json_log.write(json_record(step, consumed_samples, result))
-            json_log.flush()
-        if tensorboard is not None:
-            tensorboard.log(step, consumed_samples, result, skipped_samples, elapsed, flops / elapsed / world / 1e12)
-        if rank == 0 and step % args.log_interval == 0:
-            print(log_line(step, args, result, interval_losses, interval_time, elapsed, flops, world), flush=True)
-        if step % args.log_interval == 0:
-            interval_losses, interval_time = [], 0.0
-        if diverged(result):
-            non_finite.append(step)
-            if args.check_for_nan_in_loss_and_grad:  # every rank has the same loss and skip decision
-                stop_on_nan(rank, step, result, checkpointer, json_log, tensorboard)
-        exiting = args.exit_interval is not None and step % args.exit_interval == 0
-        if args.save is not None:
-            checkpointer.check_pending_save()  # a failed background save stops every rank here
-            if (args.save_interval and step % args.save_interval == 0) or step == args.train_iters or exiting:
-                save(step)
-        if exiting:
-            break
-    checkpointer.close()  # waits for a background save
-    if json_log is not None:
-        json_log.close()
-    if tensorboard is not None:
-        tensorboard.close()
-    if rank == 0 and first_loss is not None:
-        # a run that went non-finite (--no-check-for-nan-in-loss-and-grad) says so on its last line
-        diverged_note = (f"; {len(non_finite)} iteration{'s' if len(non_finite) > 1 else ''} had a non-finite loss "
-                         f"or gradients (first {non_finite[0]}, last {non_finite[-1]}), the last loss "
-                         f"{result.loss:.4f}" if non_finite else "")
-        print(f"done: loss {first_loss:.4f} -> {f'{last_loss:.4f}' if last_loss is not None else 'none'}"
-              f"{diverged_note}", flush=True)
+    # model parallelism (or --num-experts, --use-mcore-models): megatron-core's GPTModel and schedule
+    job = (pretrain_model_parallel.job_class(Job) if pretrain_model_parallel.wanted(args) else Job)(args)
+    job.resume()
+    job.consumed_valid = pretrain_eval.consumed_valid_samples(args, job.iteration)
+    job.open_logs()
+    job.header()
+    stopped = False if args.skip_train else job.train()
+    do_eval = args.eval_iters > 0 and not stopped
+    if do_eval and job.source.has_valid:
+        job.evaluate("valid", f"iteration {job.iteration} on validation set", to_tensorboard=not args.skip_train)
+    if do_eval and job.source.has_test:
+        job.evaluate("test", f"iteration {job.iteration} on test set", to_tensorboard=False)
+    job.checkpointer.close()  # waits for a background save
+    job.close_logs()
+    if job.losses.first is not None:
+        job.say(job.losses.done_line())
     dist.barrier()  # leave together: a rank tearing gloo down while a peer still talks to it can abort
     dist.destroy_process_group()
 

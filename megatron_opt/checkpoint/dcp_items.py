@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from .boxes import Box, flat_range_to_boxes
+from ..optimizer.boxes import Box, flat_range_to_boxes
 
 
 class ParamChunk:

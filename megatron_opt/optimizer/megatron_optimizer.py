@@ -17,6 +17,7 @@ from .grad_scaler import MegatronGradScaler
 from .leaf import OptimizerLeaf
 from .state_access import PieceState
 from .step_driver import SkipReason, StepDriver, StepState
+from .verify import VerifyReport
 from .state_view import LeafView
 
 
@@ -109,6 +110,13 @@ class MegatronOptimizer:
     @property
     def last_skip_reason(self) -> Optional[SkipReason]:
         return self._driver.last_skip_reason
+
+    @property
+    def verify_report(self) -> Optional[VerifyReport]:
+        """Verify mode (OptimizerConfig.verify_interval): the step() calls so far, the one verified last
+        (``last_verified_step``, counted from 1) and its findings; None when verify mode is off. A
+        chained child reports the chain's."""
+        return self._driver.verify_report
 
     @property
     def model_chunks(self) -> list:
@@ -213,7 +221,14 @@ class MegatronOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict() (every rank calls it; it ends with a param all-gather). The ranks agree
-        first: a state_dict refused on any rank raises the same ValueError on every rank."""
+        first: a state_dict refused on any rank raises the same ValueError on every rank. Also takes
+        megatron-core's distributed-optimizer formats, as dist_checkpointing.load returns them for
+        sharded_state_dict(..., is_loading=True) (optimizer/sharded_state_dict.py)."""
+        from . import sharded_state_dict as megatron_format
+
+        if megatron_format.is_megatron_format(state_dict):
+            megatron_format.load(self, state_dict)
+            return
         collectives.raise_together(lambda: self.check_loadable(state_dict), self._state_dict_group(),
                                    f"{type(self).__name__}.load_state_dict", ValueError)
         optimizer_state_dict.load(self, state_dict)
@@ -234,8 +249,14 @@ class MegatronOptimizer:
         """Nothing to prepare: pass 2 writes the rounded params straight into the param buffer."""
 
     def sharded_state_dict(self, model_sharded_state_dict: Optional[dict] = None, is_loading: bool = False,
-                           **kwargs: Any) -> dict:
-        raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="sharded_state_dict() (--ckpt-format torch_dist)"))
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron-core's distributed-optimizer checkpoint (Megatron-LM's --ckpt-format torch_dist), in
+        the format ``metadata['distrib_optim_sharding_type']`` names: 'fully_reshardable' (per param, in
+        model space, loadable at any parallel layout) or 'dp_reshardable' (megatron-core's flat buckets).
+        Needs megatron-core; see optimizer/sharded_state_dict.py and docs/checkpoints.md."""
+        from . import sharded_state_dict as megatron_format
+
+        return megatron_format.build(self, model_sharded_state_dict, is_loading, metadata)
 
     def save_parameter_state(self, *args: Any, **kwargs: Any) -> None:
         raise UnsupportedConfigError(_MEGATRON_CHECKPOINT_HINT.format(what="save_parameter_state()"))
@@ -251,10 +272,9 @@ class MegatronOptimizer:
 
 
 _MEGATRON_CHECKPOINT_HINT = (
-    "{what}: Megatron-LM's optimizer checkpoint formats are not supported by megatron_opt. Save and load with "
-    "megatron_opt.checkpoint.save(path, ...) / load(path, ...) (torch.distributed.checkpoint, loadable at any "
-    "data-parallel size; see docs/checkpoints.md and docs/megatron.md), and run Megatron-LM with --no-save-optim "
-    "--no-load-optim for its own checkpoints.")
+    "{what}: Megatron-LM's per-rank optimizer files (--ckpt-format torch) are not supported by megatron_opt. Use "
+    "--ckpt-format torch_dist (the default: sharded_state_dict in megatron-core's formats), or save and load with "
+    "megatron_opt.checkpoint.save(path, ...) / load(path, ...); see docs/checkpoints.md and docs/megatron.md.")
 
 
 __all__ = ["MegatronOptimizer"]

@@ -41,6 +41,7 @@ from . import stats as grad_stats
 from .grad_scaler import DynamicGradScaler, MegatronGradScaler
 from .hyperparams import check_param_groups
 from .step_decision import DecisionRead, StepDecision, Verdict
+from .verify import StepVerifier, VerifyReport
 
 logger = logging.getLogger("megatron_opt")
 
@@ -133,6 +134,12 @@ class StepDriver:
             self._skipped_device = torch.zeros((), dtype=torch.int64, device=device)
             self._success = torch.zeros((), dtype=torch.bool, device=device)
             self._grad_norm = torch.zeros((), dtype=torch.float64, device=device)  # NaN on a skipped step
+        self.verifier = StepVerifier.from_config(self.leaves, config, self.stats_groups)  # None: verify mode off
+
+    @property
+    def verify_report(self) -> Optional[VerifyReport]:
+        """What verify mode has verified so far (None when it is off)."""
+        return None if self.verifier is None else self.verifier.report
 
     @property
     def skipped_steps(self) -> int:
@@ -283,8 +290,18 @@ class StepDriver:
         return True
 
     def step(self) -> tuple[Any, Any, Any]:
-        if self._graph is not None:
-            return self._step_on_device()
+        # Verify mode's checks run before and after the step, outside any CUDA graph.
+        pending = None
+        if self.verifier is not None:
+            with record_function("megatron_opt.verify"):
+                pending = self.verifier.begin(self.sources, self.get_loss_scale())
+        result = self._step_on_device() if self._graph is not None else self._step_on_host()
+        if pending is not None:
+            with record_function("megatron_opt.verify"):
+                self.verifier.finish(pending, self._decision.skip, self._decision.grad_norm, self.config.clip_grad)
+        return result
+
+    def _step_on_host(self) -> tuple[Any, Any, Any]:
         found_inf = self.prepare_grads()
         if found_inf:
             return self.step_with_ready_grads(), None, None

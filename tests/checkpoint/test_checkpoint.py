@@ -12,7 +12,7 @@ import torch
 
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
-from megatron_opt.checkpoint.boxes import flat_range_to_boxes
+from megatron_opt.optimizer.boxes import flat_range_to_boxes
 
 import cases_checkpoint as cc
 

@@ -1,9 +1,11 @@
 """scripts/pretrain_gpt.py for the main-job tests: its path, the environment and launcher its runs use,
-and the script imported as a module (with scripts/ on sys.path for its helper modules)."""
+the script imported as a module (with scripts/ on sys.path for its helper modules), and Megatron-LM's
+log-line formats."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from types import ModuleType
 
@@ -22,3 +24,32 @@ def load_pretrain_gpt() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+# Megatron-LM's training_log line (megatron/training/training.py), field for field with its widths and
+# number formats; what follows the last field (this script's memory figures) is not matched.
+MEGATRON_LOG_LINE = re.compile(
+    r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{6}\]"
+    r" iteration (?P<iteration>[ \d]{8})/(?P<train_iters>[ \d]{8}) \|"
+    r" consumed samples: (?P<consumed>[ \d]{12}) \|"
+    r"(?: skipped samples: (?P<skipped_samples>[ \d]{12}) \|)?"
+    r" elapsed time per iteration \(ms\): (?P<ms>\d+\.\d) \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>\d+\.\d+) \|)?"
+    r"(?: MFU: (?P<mfu>\d+\.\d)% \|)?"
+    r" learning rate: (?P<lr>\d\.\d{6}E[+-]\d\d) \|"
+    r" global batch size: (?P<gbs>[ \d]{5}) \|"
+    r" lm loss: (?P<loss>\d\.\d{6}E[+-]\d\d) \|"
+    r" loss scale: (?P<loss_scale>\d+\.\d) \|"
+    r"(?: grad norm: (?P<grad_norm>\d+\.\d{3}) \|)?"
+    r"(?: num zeros: (?P<num_zeros>\d+) \|)?"
+    r"(?: params norm: (?P<params_norm>\d+\.\d{3}) \|)?"
+    r" number of skipped iterations: (?P<skipped>[ \d]{3}) \|"
+    r" number of nan iterations: (?P<nan>[ \d]{3}) \|")
+# Megatron-LM's evaluate_and_print_results line.
+MEGATRON_VALIDATION_LINE = re.compile(
+    r" validation loss at (?P<prefix>iteration \d+(?: on (?:validation|test) set)?) \|"
+    r" lm loss value: (?P<loss>\d\.\d{6}E[+-]\d\d) \| lm loss PPL: (?P<ppl>\d\.\d{6}E[+-]\d\d) \| $")
+
+
+def log_lines(stdout: str) -> list[re.Match]:
+    """The Megatron-LM log lines of a run's stdout, parsed."""
+    return [m for m in map(MEGATRON_LOG_LINE.match, stdout.splitlines()) if m]

@@ -81,8 +81,9 @@ def _run_launchers(launchers: list[list[str]], log_json, out_dir, name: str) -> 
 
 
 def _step_lines(log: str) -> list[str]:
-    """The per-step text lines without their timings (tokens/s, ms/iteration)."""
-    return [line.split(" | tokens/s")[0] for line in log.splitlines() if re.match(r"step\s+\d+ \| ", line)]
+    """Megatron-LM's per-iteration log lines without their date, timings and memory."""
+    timing = re.compile(r"^ \[[^]]*\]| elapsed time per iteration \(ms\): [\d.]+ \|| mem [^|]*\|")
+    return [timing.sub("", line) for line in log.splitlines() if re.match(r" \[[^]]*\] iteration\s+\d+/", line)]
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 120)

@@ -3,7 +3,7 @@ the straight run, at DP 1, 2 and 3, in fp32, bf16 and fp16, with sync and async 
 another DP size continues and says so."""
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 
 import pytest
@@ -23,8 +23,9 @@ def _pretrain(world: int, *args: str) -> str:
     return out.stdout
 
 
-def _steps(log: str) -> dict[int, str]:
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r"^step\s+(\d+) \| (loss .*?) \| tokens/s", log, re.M)}
+def _steps(log_json) -> dict[int, dict]:
+    """--log-json's records by iteration, without the run-dependent num_tokens-free fields kept: exact values."""
+    return {r["iteration"]: r for r in map(json.loads, log_json.read_text().splitlines())}
 
 
 @pytest.mark.parametrize("world, precision, save_mode", [(2, "fp32", "sync"), (3, "bf16", "async"), (1, "fp16", "sync")])
@@ -34,12 +35,14 @@ def test_pretrain_resume_is_bit_exact(tmp_path, world, precision, save_mode):
         flags += ["--initial-loss-scale", "4096"]
     if save_mode == "async":
         flags += ["--async-save"]
-    straight = _pretrain(world, "--steps", "6", "--save", str(tmp_path / "a"), *flags)
+    log_a, log_b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _pretrain(world, "--steps", "6", "--save", str(tmp_path / "a"), "--log-json", str(log_a), *flags)
     first = _pretrain(world, "--steps", "6", "--save", str(tmp_path / "b"), "--exit-interval", "3", *flags)
     assert "saved iteration 3" in first and ckpt.latest_iteration(tmp_path / "b") == 3
-    second = _pretrain(world, "--steps", "6", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"), *flags)
+    second = _pretrain(world, "--steps", "6", "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"),
+                       "--log-json", str(log_b), *flags)
     assert f"resumed from iteration 3 (saved at DP={world}, now DP={world})" in second
-    a, b = _steps(straight), _steps(second)
+    a, b = _steps(log_a), _steps(log_b)
     assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b), (a, b)
     for what in ("model", "master", "exp_avg", "exp_avg_sq"):
         x, y = ckpt.read_tensors(tmp_path / "a", what), ckpt.read_tensors(tmp_path / "b", what)
@@ -49,9 +52,10 @@ def test_pretrain_resume_is_bit_exact(tmp_path, world, precision, save_mode):
 
 def test_pretrain_resume_at_another_dp_size(tmp_path):
     _pretrain(2, "--steps", "3", "--save", str(tmp_path / "c"))
-    log = _pretrain(3, "--steps", "5", "--load", str(tmp_path / "c"), "--save", str(tmp_path / "c"))
+    log = _pretrain(3, "--steps", "5", "--load", str(tmp_path / "c"), "--save", str(tmp_path / "c"),
+                    "--log-json", str(tmp_path / "c.jsonl"))
     assert "resumed from iteration 3 (saved at DP=2, now DP=3)" in log
-    assert sorted(_steps(log)) == [4, 5]
+    assert sorted(_steps(tmp_path / "c.jsonl")) == [4, 5]
     assert ckpt.latest_iteration(tmp_path / "c") == 5
     model_only = _pretrain(1, "--steps", "6", "--load", str(tmp_path / "c"), "--no-load-optim", "--no-load-rng")
     assert "resumed from iteration 5 (saved at DP=3, now DP=1)" in model_only

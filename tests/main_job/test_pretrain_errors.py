@@ -219,7 +219,7 @@ def test_watchdog_ends_a_rank_whose_peer_is_stopped(tmp_path):
     workers: dict[int, tuple[int, str]] = {}
     try:
         # Rank 0 prints every step; wait until the watchdog is past its warm-up and watching.
-        assert _wait_for(lambda: "step    8 |" in stdout_path.read_text() or proc.poll() is not None,
+        assert _wait_for(lambda: "iteration        8/" in stdout_path.read_text() or proc.poll() is not None,
                          START_TIMEOUT_S, 0.2), "training did not start:\n" + logs()
         assert proc.poll() is None, "the job ended early:\n" + logs()
         workers = _children_by_rank(proc.pid)

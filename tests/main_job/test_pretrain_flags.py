@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import megatron_opt as mo
-from main_job_script import ENV, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt
+from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt,
+                             log_lines)
 from megatron_opt.megatron import arguments as megatron_args
 
 RUN_TIMEOUT_S = 240
@@ -60,6 +61,11 @@ LLAMA_PARALLEL = ["--tensor-model-parallel-size", "1", "--context-parallel-size"
 LLAMA_DDP = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
 LLAMA_LOGGING = ["--log-interval", "1", "--save-interval", "5", "--log-throughput", "--ckpt-format", "torch_dist",
                  "--distributed-timeout-minutes", "60"]  # + --save, --load, --tensorboard-dir
+# Its mock-data block (vocabulary 128256 -> 1000) and evaluation block (--eval-iters 32 --eval-interval 100 ->
+# 2 and 5); + --data-cache-path.
+LLAMA_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--split", "99,1,0",
+              "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1"]
+LLAMA_EVAL = ["--eval-iters", "2", "--eval-interval", "5"]
 LLAMA_UNSUPPORTED = [
     ["--use-mcore-models"], ["--group-query-attention"], ["--num-query-groups", "8"], ["--kv-channels", "128"],
     ["--position-embedding-type", "rope"], ["--rotary-base", "1000000"], ["--swiglu"],
@@ -67,10 +73,7 @@ LLAMA_UNSUPPORTED = [
     ["--disable-bias-linear"],
     ["--cross-entropy-loss-fusion"], ["--manual-gc"], ["--empty-unused-memory-level", "1"],
     ["--exit-duration-in-mins", "235"], ["--fp8-format", "hybrid"], ["--fp8-amax-history-len", "1024"],
-    ["--fp8-amax-compute-algo", "max"], ["--fp8-param-gather"], ["--mock-data"],
-    ["--tokenizer-type", "NullTokenizer"], ["--vocab-size", "128256"], ["--data-cache-path", "/tmp/cache"],
-    ["--tiktoken-pattern", "v2"], ["--split", "99,1,0"], ["--no-create-attention-mask-in-dataloader"],
-    ["--no-mmap-bin-files"], ["--num-workers", "1"], ["--eval-iters", "32"], ["--eval-interval", "100"],
+    ["--fp8-amax-compute-algo", "max"], ["--fp8-param-gather"], ["--tiktoken-pattern", "v2"],
     ["--profile"], ["--profile-step-start", "4"], ["--profile-step-end", "6"],
 ]
 
@@ -139,8 +142,9 @@ def _expected_lrs(run, records: list[dict]) -> list[float]:
 @pytest.mark.timeout(600)
 def test_llama3_launch_block_runs_at_dp2(tmp_path, monkeypatch):
     ckpt, tb, log = tmp_path / "ckpt", tmp_path / "tb", tmp_path / "log.jsonl"
-    flags = [*LLAMA_MODEL, *LLAMA_TRAINING, *LLAMA_PARALLEL, *LLAMA_DDP, *LLAMA_LOGGING, "--save", str(ckpt),
-             "--load", str(ckpt), "--log-json", str(log), "--log-num-zeros-in-grad"]
+    flags = [*LLAMA_MODEL, *LLAMA_TRAINING, *LLAMA_PARALLEL, *LLAMA_DDP, *LLAMA_LOGGING, *LLAMA_DATA, *LLAMA_EVAL,
+             "--data-cache-path", str(tmp_path / "cache"), "--save", str(ckpt), "--load", str(ckpt), "--log-json",
+             str(log), "--log-num-zeros-in-grad"]
     if HAS_TENSORBOARD:
         flags += ["--tensorboard-dir", str(tb), "--log-timers-to-tensorboard"]
     out = _torchrun(2, flags)
@@ -158,8 +162,15 @@ def test_llama3_launch_block_runs_at_dp2(tmp_path, monkeypatch):
     assert records[1]["learning_rate"] == 0.00015 and records[8]["learning_rate"] == 0.00001
     assert mo.checkpoint.latest_iteration(ckpt) == 10 and sorted(p.name for p in ckpt.glob("iter_*")) == [
         "iter_0000005", "iter_0000010"]
-    for line in ("step    1 | loss ", "| num zeros ", "| TFLOP/s/rank "):
-        assert line in out.stdout, out.stdout
+    lines = log_lines(out.stdout)
+    assert [int(m["iteration"]) for m in lines] == list(range(1, 11)), out.stdout
+    assert all(m["num_zeros"] is not None and m["tflops"] is not None for m in lines), out.stdout
+    assert "data: mock data (megatron-core's MockGPTDataset), split '99,1,0'" in out.stdout, out.stdout
+    assert "NullTokenizer vocabulary 1001 padded to 1024" in out.stdout, out.stdout  # NullTokenizer adds its EOD
+    validations = [m["prefix"] for m in map(MEGATRON_VALIDATION_LINE.match, out.stdout.splitlines()) if m]
+    # megatron-core builds mock data for every split, the test split included (as in Megatron-LM)
+    assert validations == ["iteration 5", "iteration 10", "iteration 10 on validation set",
+                           "iteration 10 on test set"], out.stdout
     if HAS_TENSORBOARD:
         _check_tensorboard(tb, records, run)
 
@@ -208,7 +219,7 @@ def test_gpt3_175b_launch_block_runs_at_dp2(tmp_path, monkeypatch):
     # fp16 with the dynamic loss scaler: the scale only halves on overflow, grows after 1000 clean steps
     assert all(r["loss_scale"] <= 4096 for r in records) and any(r["success"] for r in records)
     # --log-interval 2: lines at iterations 2, 4, 6 only
-    assert [int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("step ")] == [2, 4, 6]
+    assert [int(m["iteration"]) for m in log_lines(out.stdout)] == [2, 4, 6], out.stdout
     assert mo.checkpoint.latest_iteration(ckpt) == 6 and sorted(p.name for p in ckpt.glob("iter_*")) == [
         "iter_0000003", "iter_0000006"]
 
@@ -481,9 +492,9 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
     flags = [*LLAMA_MODEL, *words(LLAMA_UNSUPPORTED[:third]), *LLAMA_TRAINING,
              *words(LLAMA_UNSUPPORTED[third:2 * third]), *LLAMA_PARALLEL, *LLAMA_DDP,
              *words(LLAMA_UNSUPPORTED[2 * third:]), *LLAMA_LOGGING]
-    flags += ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4", "--data-path", "x",
-              "--vocab-file", "v.json", "--merge-file", "m.txt", "--transformer-impl", "local",
-              "--expert-model-parallel-size", "2", "--context-parallel-size=2", "--hidden-dropout", "0.1"]
+    flags += ["--tp-comm-overlap", "--decoder-first-pipeline-num-layers", "4", "--train-data-path", "x",
+              "--reset-position-ids", "--full-validation", "--transformer-impl", "local",
+              "--virtual-pipeline-model-parallel-size", "2", "--rampup-batch-size=2", "--hidden-dropout", "0.1"]
     with pytest.raises(SystemExit) as exc:
         _parse(monkeypatch, flags)
     assert exc.value.code == 2
@@ -495,19 +506,20 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
     for flag in LLAMA_UNSUPPORTED:
         assert f"\n  {' '.join(flag)}: " in err, (flag, err)
     for text in ["  --fp8-format hybrid: not supported yet: fp8/fp4 training is not implemented",
-                 "  --tensor-model-parallel-size 2: not supported yet: only data parallelism",
-                 "  --pipeline-model-parallel-size 4: not supported yet: only data parallelism",
-                 "  --expert-model-parallel-size 2: not supported yet: only data parallelism",
-                 "  --context-parallel-size 2: not supported yet: only data parallelism",
-                 "  --data-path x: not supported yet: the script trains on its built-in character-level dataset",
-                 "  --vocab-file v.json: not supported yet: the script trains",
-                 "  --merge-file m.txt: not supported yet: the script trains",
-                 "  --tokenizer-type NullTokenizer: not supported yet: the script trains",
+                 "  --tp-comm-overlap: not supported yet: this model-parallel option is not implemented",
+                 "  --decoder-first-pipeline-num-layers 4: not supported yet: this model-parallel option",
+                 "  --virtual-pipeline-model-parallel-size 2: not supported yet: this model-parallel option",
+                 "  --rampup-batch-size 2: not supported yet: the global batch size is constant",
+                 "  --train-data-path x: not supported yet: this data or tokenizer option is not implemented "
+                 "(supported: --data-path --split --mock-data",
+                 "  --reset-position-ids: not supported yet: this data or tokenizer option",
+                 "  --tiktoken-pattern v2: not supported yet: this data or tokenizer option",
                  "  --use-mcore-models: not supported yet: the model is this script's own GPT",
                  "  --transformer-impl local: not supported yet: the model is this script's own GPT",
                  "  --swiglu: not supported yet: the model is this script's own GPT", "  --num-query-groups 8: not supported yet: the model",
                  "  --hidden-dropout 0.1: not supported yet: the model", "  --attention-backend fused: not supported yet: the model",
-                 "  --eval-iters 32: not supported yet: evaluation is not",
+                 "  --full-validation: not supported yet: this evaluation option is not implemented (supported: "
+                 "--eval-interval --eval-iters --skip-train)",
                  "  --profile: not supported yet: profiling is not implemented"]:
         assert text in err, (text, err)
     # the accepted no-op values are not listed as errors
@@ -521,6 +533,7 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
      "--expert-model-parallel-size", "1", "--expert-tensor-parallel-size", "1", "--sequence-parallel"],
     ["--attention-dropout", "0", "--hidden-dropout", "0.0", "--attention-backend", "auto", "--ckpt-format",
      "torch_dist", "--eval-iters", "0", "--no-check-for-nan-in-loss-and-grad"],
+    ["--ckpt-format", "torch_dcp"],
     ["--tensor-model-parallel-size=1", "--attention-dropout=0.0"],
 ])
 def test_noop_values_are_accepted(monkeypatch, flags):
@@ -529,11 +542,12 @@ def test_noop_values_are_accepted(monkeypatch, flags):
 
 
 @pytest.mark.parametrize("flags, listed", [
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
-    (["--sequence-parallel", "yes"], "--sequence-parallel yes"),
-    (["--ckpt-format", "torch"], "--ckpt-format torch"),
-    (["--data-path", "x"], "--data-path x: not supported yet: the script trains on its built-in"),
-    (["--log-params-norm"], "--log-params-norm: not supported yet: this logging option is not implemented"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap: not supported yet: this model-parallel option"),
+    (["--attention-dropout", "0.1"], "--attention-dropout 0.1: not supported yet: the model"),
+    (["--ckpt-format", "torch"], "--ckpt-format torch: not supported yet: accepted only as --ckpt-format "
+                                 "torch_dist|torch_dcp, a no-op here"),
+    (["--data-args-path", "x"], "--data-args-path x: not supported yet: this data or tokenizer option"),
+    (["--log-energy"], "--log-energy: not supported yet: this logging option is not implemented"),
     (["--no-such-flag"], "unknown flag --no-such-flag\n"),
     (["--micro-batch-szie", "4"], "unknown flag --micro-batch-szie; did you mean --micro-batch-size?\n"),
     (["--log-intervall", "2"], "unknown flag --log-intervall; did you mean --log-interval?\n"),  # not "--log-*"
@@ -553,8 +567,8 @@ def test_single_unsupported_flag(monkeypatch, capsys, flags, listed):
 
 def test_unsupported_flags_exit_before_any_process_group():
     """Under torchrun: every rank exits 2 with the one message, and no process group was created."""
-    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", SCRIPT, "--fp8-format", "hybrid", "--data-path", "x",
-                          "--tensor-model-parallel-size", "2"], capture_output=True, text=True,
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=2", SCRIPT, "--fp8-format", "hybrid", "--swiglu",
+                          "--profile"], capture_output=True, text=True,
                          timeout=RUN_TIMEOUT_S, env=ENV, cwd=ROOT)
     assert out.returncode != 0
     assert "error: 3 flags refused by pretrain_gpt.py (nothing was run)" in out.stderr, out.stderr[-3000:]
@@ -580,7 +594,7 @@ def test_short_run_with_demo_defaults():
     """`--train-iters 5` and nothing else runs (the demo's warmup scales down to 0 iterations)."""
     out = _torchrun(1, ["--train-iters", "5"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "step    5 |" in out.stdout, out.stdout
+    assert [int(m["iteration"]) for m in log_lines(out.stdout)] == [1, 2, 3, 4, 5], out.stdout
 
 
 # ----------------------------------------------------------------------------- tensorboard

@@ -78,6 +78,7 @@ class Float64Reference:
             loss = sum((token_losses(self.model, b).double() * b["loss_mask"]).sum() / b["loss_mask"].sum()
                        for b in batches) / (ga * world)
         loss.backward()
+        self.last_loss = float(loss.detach())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.opt.step()
         self.sched.step(increment=self.global_batch)

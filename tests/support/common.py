@@ -110,11 +110,15 @@ class ReferenceLion(torch.optim.Optimizer):
 
 
 def reference_optimizer(kind: str, model: torch.nn.Module, lr: float, weight_decay: float):
-    """torch AdamW or ReferenceLion with Megatron's default groups (no decay on biases and 1-D params)."""
+    """torch AdamW, torch SGD (momentum 0.9, OptimizerConfig's default) or ReferenceLion with Megatron's
+    default groups (no decay on biases and 1-D params)."""
     if kind == "adam":
         return reference_adamw(model, lr, weight_decay)
     decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or p.ndim == 1)]
     no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or p.ndim == 1]
+    if kind == "sgd":
+        return torch.optim.SGD([{"params": decay, "weight_decay": weight_decay},
+                                {"params": no_decay, "weight_decay": 0.0}], lr=lr, momentum=0.9)
     return ReferenceLion([{"params": decay, "weight_decay": weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}], lr=lr)
 

@@ -13,8 +13,11 @@ the megatron_opt objects they configure::
     # args.micro_batch_size, args.num_microbatches, args.global_batch_size, args.train_iters
 
 With a parser of one's own: ``add_megatron_args(parser)``, then ``parse_megatron_args(parser=parser)``.
-Flags for what megatron_opt does not implement (fp8, tensor/pipeline parallelism, ...) are named
-together in one error with the reason; no-op values (``--tensor-model-parallel-size 1``) are accepted.
+The model-parallel sizes (``--tensor-model-parallel-size`` ... ``--expert-model-parallel-size``) are
+parsed and checked, and ``args.data_parallel_size`` is world / (TP x PP x CP); the program builds the
+model parallelism itself (megatron-core's ``parallel_state``). Flags for what megatron_opt does not
+implement (fp8, ...) are named together in one error with the reason; no-op values
+(``--ckpt-format torch_dist``) are accepted.
 
 Layout: ``flags`` defines the flags, ``unsupported`` the flags refused, ``validation`` Megatron-LM's
 checks, ``mapping`` the configs, ``parsing`` the one call. A new group of Megatron-LM flags adds to

@@ -55,10 +55,10 @@ class _Group:
     def __init__(self, group: Any, defaults: Mapping[str, Any], aliases: Mapping[str, str], dests: set[str]) -> None:
         self.group, self.defaults, self.aliases, self.dests = group, defaults, aliases, dests
 
-    def _names(self, flag: str, dest: Optional[str]) -> tuple[list[str], str]:
+    def _names(self, flag: str, dest: Optional[str], spellings: tuple[str, ...] = ()) -> tuple[list[str], str]:
         dest = dest or flag[2:].replace("-", "_")
         self.dests.add(dest)
-        return [flag, *([self.aliases[dest]] if dest in self.aliases else [])], dest
+        return [flag, *spellings, *([self.aliases[dest]] if dest in self.aliases else [])], dest
 
     def value(self, flag: str, type: Callable[[str], Any], default: Any = None, **kwargs: Any) -> None:
         names, dest = self._names(flag, None)
@@ -67,9 +67,11 @@ class _Group:
             default = ConditionalDefault(default)
         self.group.add_argument(*names, dest=dest, type=type, default=default, action=_RecordTyped, **kwargs)
 
-    def switch(self, flag: str, dest: Optional[str] = None, store: bool = True, **kwargs: Any) -> None:
-        """A flag without a value: ``dest`` becomes ``store`` (default: the opposite)."""
-        names, dest = self._names(flag, dest)
+    def switch(self, flag: str, dest: Optional[str] = None, store: bool = True, spellings: tuple[str, ...] = (),
+               **kwargs: Any) -> None:
+        """A flag without a value: ``dest`` becomes ``store`` (default: the opposite). ``spellings``:
+        Megatron-LM's other names for the flag."""
+        names, dest = self._names(flag, dest, spellings)
         self.group.add_argument(*names, dest=dest, action=_RecordTyped, nargs=0, const=store,
                                 default=self.defaults.get(dest, not store), **kwargs)
 
@@ -152,10 +154,14 @@ def _add_learning_rate_args(g: _Group) -> None:
     g.value("--start-weight-decay", float)
     g.value("--end-weight-decay", float)
     g.value("--weight-decay-incr-style", str, "constant", choices=WD_INCR_STYLES)
-    g.switch("--override-opt-param-scheduler", help="on --load, keep this command line's schedule over the "
-                                                    "checkpoint's")
-    g.switch("--use-checkpoint-opt-param-scheduler",
-             help="on --load, take the checkpoint's schedule (the default when neither is given)")
+    # Megatron-LM spells them with "opt_param" and accepts "opt-param" too.
+    g.switch("--override-opt_param-scheduler", dest="override_opt_param_scheduler",
+             spellings=("--override-opt-param-scheduler",),
+             help="on --load, follow this command line's schedule instead of the checkpoint's")
+    g.switch("--use-checkpoint-opt_param-scheduler", dest="use_checkpoint_opt_param_scheduler",
+             spellings=("--use-checkpoint-opt-param-scheduler",),
+             help="on --load, keep the checkpoint's schedule (the default when neither is given; Megatron-LM "
+                  "instead refuses a schedule that differs)")
 
 
 def _add_mixed_precision_args(g: _Group) -> None:
@@ -178,6 +184,21 @@ def _add_distributed_args(g: _Group) -> None:
     g.value("--ddp-bucket-size", int, help="elements per gradient bucket (default: megatron_opt chooses)")
     g.value("--distributed-timeout-minutes", int, 10,
             help="timeout of every collective (default 10; gloo's own default is 30)")
+
+
+def _add_model_parallel_args(g: _Group) -> None:
+    # The program builds the model parallelism (megatron-core's parallel_state); these set the sizes, and
+    # the data-parallel size is world / (tensor x pipeline x context).
+    g.value("--tensor-model-parallel-size", int, 1)
+    g.switch("--sequence-parallel", help="split LayerNorm and dropout activations over the tensor-parallel ranks "
+                                         "(ignored at tensor-parallel size 1, as in Megatron-LM)")
+    g.value("--pipeline-model-parallel-size", int, 1)
+    g.value("--num-layers-per-virtual-pipeline-stage", int,
+            help="interleaved pipeline: layers per virtual stage (virtual stages per rank = layers / pipeline size "
+                 "/ this)")
+    g.value("--context-parallel-size", int, 1)
+    g.value("--expert-model-parallel-size", int, 1)
+    g.value("--expert-tensor-parallel-size", int, help="default --tensor-model-parallel-size")
 
 
 def _add_logging_args(g: _Group) -> None:
@@ -207,6 +228,7 @@ FLAG_GROUPS: tuple[tuple[str, Callable[[_Group], None]], ...] = (
     ("learning-rate and weight-decay schedule (counted in samples)", _add_learning_rate_args),
     ("mixed precision", _add_mixed_precision_args),
     ("data-parallel communication", _add_distributed_args),
+    ("model parallelism", _add_model_parallel_args),
     ("logging", _add_logging_args),
     ("checkpointing", _add_checkpointing_args),
 )

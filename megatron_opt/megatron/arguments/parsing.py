@@ -7,20 +7,20 @@ import sys
 from typing import Callable, Mapping, NoReturn, Optional, Sequence
 
 from .flags import add_megatron_args
-from .unsupported import unsupported_flags_message
+from .unsupported import NoopValue, unsupported_flags_message
 from .validation import MegatronArgumentError, validate_megatron_args
 
 
 def parse_megatron_args(argv: Optional[Sequence[str]] = None, *, parser: Optional[argparse.ArgumentParser] = None,
                         world_size: Optional[int] = None, unsupported_reasons: Optional[Mapping[str, str]] = None,
-                        noop_values: Optional[Mapping[str, Optional[str]]] = None) -> argparse.Namespace:
+                        noop_values: Optional[Mapping[str, NoopValue]] = None) -> argparse.Namespace:
     """Parse ``argv`` (default ``sys.argv[1:]``) and validate it (validate_megatron_args).
 
     ``parser`` is one that add_megatron_args filled (plus the caller's own flags); by default a
     parser with Megatron-LM's flags and defaults. ``world_size`` defaults to torchrun's WORLD_SIZE (1
     without it). Flags the parser does not know are named together in one error, each with its
     reason (UNSUPPORTED_FLAGS', or the caller's ``unsupported_reasons`` for a feature), unless the
-    value makes them a no-op (NOOP_VALUES and ``noop_values``: ``--tensor-model-parallel-size 1``).
+    value makes them a no-op (NOOP_VALUES and ``noop_values``: ``--ckpt-format torch_dist``).
     Every error exits with code 2 before anything else runs: ``PROG: error: MESSAGE`` on stderr,
     without argparse's usage text, and printed by rank 0 only (torchrun's RANK; the other ranks exit 2
     silently). The parser keeps this error handler (``parser.error``) for the caller's own checks.

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import difflib
 from types import MappingProxyType
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Mapping, NamedTuple, Optional, Sequence, Union
 
-# Megatron-LM flags accepted when their value makes them a no-op (None: a switch that changes nothing).
-NOOP_VALUES: Mapping[str, Optional[str]] = MappingProxyType({
-    "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1", "--context-parallel-size": "1",
-    "--expert-model-parallel-size": "1", "--expert-tensor-parallel-size": "1",
-    "--sequence-parallel": None,  # Megatron-LM itself turns it off when the tensor-parallel size is 1
-    "--ckpt-format": "torch_dist",  # torch.distributed.checkpoint folders, like Megatron-LM's default
+NoopValue = Union[None, str, tuple[str, ...]]
+# Megatron-LM flags accepted when their value makes them a no-op (None: a switch that changes nothing; a
+# tuple: any of these values).
+NOOP_VALUES: Mapping[str, NoopValue] = MappingProxyType({
+    # megatron_opt.checkpoint writes torch.distributed.checkpoint folders, like both of these formats
+    "--ckpt-format": ("torch_dist", "torch_dcp"),
 })
 
 
@@ -31,7 +31,9 @@ UNSUPPORTED_FLAGS: Mapping[str, UnsupportedFlags] = MappingProxyType({
          "--expert-tensor-parallel", "--sequence-parallel", "--num-layers-per-virtual", "--virtual-pipeline",
          "--num-virtual-stages", "--decoder-first-pipeline", "--decoder-last-pipeline", "--account-for-",
          "--tp-comm", "--cp-comm", "--hierarchical-context"),
-        "only data parallelism: tensor, pipeline, context and expert parallel sizes must be 1"),
+        "this model-parallel option is not implemented (supported: --tensor-model-parallel-size, "
+        "--sequence-parallel, --pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, "
+        "--context-parallel-size, --expert-model-parallel-size, --expert-tensor-parallel-size)"),
     "data": UnsupportedFlags(
         ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--data-args-path",
          "--per-split-data-args", "--mock-data", "--split", "--data-cache-path", "--vocab-file", "--merge-file",
@@ -86,7 +88,7 @@ NOT_YET = "not supported yet"  # a Megatron-LM flag of UNSUPPORTED_FLAGS
 
 
 def unsupported_flags_message(extras: Sequence[str], program: str, *, reasons: Optional[Mapping[str, str]] = None,
-                              noop_values: Optional[Mapping[str, Optional[str]]] = None,
+                              noop_values: Optional[Mapping[str, NoopValue]] = None,
                               known_flags: Sequence[str] = ()) -> Optional[str]:
     """One message naming every flag of ``extras`` (what ``parse_known_args`` did not know), or None
     when each is an accepted no-op. A Megatron-LM flag megatron_opt does not implement (UNSUPPORTED_FLAGS)
@@ -104,7 +106,8 @@ def unsupported_flags_message(extras: Sequence[str], program: str, *, reasons: O
         return None
     lines = [_line(flag, values, reasons or {}, known_flags, noop) for flag, values in bad]
     not_yet = any(UNKNOWN not in line for line in lines)
-    accepted = ", ".join(f"{k} {v}" if v is not None else k for k, v in noop.items())
+    accepted = ", ".join(k if v is None else f"{k} {v if isinstance(v, str) else '|'.join(v)}"
+                         for k, v in noop.items())
     footer = f"\nMegatron-LM flags accepted as no-ops here: {accepted}." if not_yet else ""
     if len(lines) == 1:
         return lines[0] + footer
@@ -120,11 +123,14 @@ def _feature(flag: str) -> Optional[str]:
 
 
 def _line(flag: str, values: list[str], reasons: Mapping[str, str], known_flags: Sequence[str],
-          noop: Mapping[str, Optional[str]]) -> str:
+          noop: Mapping[str, NoopValue]) -> str:
     known = [f for f in known_flags if f.startswith("--")]
     feature = _feature(flag)
     if feature is None and flag in noop:  # a Megatron-LM flag accepted only with its no-op value
-        want = f"only as {flag} {noop[flag]}" if noop[flag] is not None else f"only as {flag} without a value"
+        values_ok = noop[flag]
+        want = (f"only as {flag} without a value" if values_ok is None else
+                f"only as {flag} {values_ok}" if isinstance(values_ok, str) else
+                f"only as {flag} {'|'.join(values_ok)}")
         return f"{' '.join([flag, *values])}: {NOT_YET}: accepted {want}, a no-op here"
     # A feature's prefix (--log-) also covers typos of the program's own flags (--log-intervall): a flag
     # this close to one of them is taken for a typo.
@@ -156,7 +162,7 @@ def _is_number(word: str) -> bool:
         return False
 
 
-def _is_noop(flag: str, values: list[str], noop: Mapping[str, Optional[str]]) -> bool:
+def _is_noop(flag: str, values: list[str], noop: Mapping[str, NoopValue]) -> bool:
     if flag not in noop:
         return False
     want = noop[flag]
@@ -164,6 +170,5 @@ def _is_noop(flag: str, values: list[str], noop: Mapping[str, Optional[str]]) ->
         return not values
     if len(values) != 1:
         return False
-    if _is_number(want):
-        return _is_number(values[0]) and float(values[0]) == float(want)
-    return values[0] == want
+    return any(_is_number(values[0]) and float(values[0]) == float(w) if _is_number(w) else values[0] == w
+               for w in ((want,) if isinstance(want, str) else want))

@@ -52,16 +52,16 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, data_paralle
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int = 1) -> None:
     """Check the parsed flags as Megatron-LM's validate_args does, plus the ranges megatron_opt needs,
-    and fill in what they imply (as validate_args does): ``world_size``, ``data_parallel_size``,
-    ``global_batch_size``, ``num_microbatches``, ``train_iters`` (also for --train-samples),
+    and fill in what they imply (as validate_args does): ``world_size``, ``data_parallel_size`` (world /
+    (TP x PP x CP)), ``virtual_pipeline_model_parallel_size``, ``global_batch_size``, ``num_microbatches``, ``train_iters`` (also for --train-samples),
     ``lr_warmup_iters``, ``loss_mode`` / ``calculate_per_token_loss``. Every config megatron_opt
     builds from them is built once here, so its own checks fail now too. Raises MegatronArgumentError.
     """
     name = FlagNames.of(args)
     args.world_size = world_size
-    args.data_parallel_size = world_size  # data parallelism only
     _resolve_conditional_defaults(args)
     _check_sizes(args, name)
+    _resolve_model_parallel(args, name)
     _resolve_batch(args)
     sample_based = _check_run_length(args, name)
     _check_schedule(args, name, sample_based)
@@ -113,6 +113,53 @@ def _check_sizes(args: argparse.Namespace, name: FlagNames) -> None:
     if args.max_position_embeddings is not None and args.max_position_embeddings < args.seq_length:
         raise MegatronArgumentError(f"--max-position-embeddings {args.max_position_embeddings} must be >= "
                                     f"{name('seq_length')} {args.seq_length}")
+
+
+MODEL_PARALLEL_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                        "expert_model_parallel_size")
+
+
+def _resolve_model_parallel(args: argparse.Namespace, name: FlagNames) -> None:
+    """Megatron-LM's model-parallel sizes: ``data_parallel_size`` = world / (TP x PP x CP), which must
+    divide; ``virtual_pipeline_model_parallel_size`` from --num-layers-per-virtual-pipeline-stage;
+    ``expert_tensor_parallel_size`` defaults to TP; --sequence-parallel is off at TP 1 (as Megatron-LM)."""
+    for dest in MODEL_PARALLEL_SIZES:
+        if getattr(args, dest) is None or getattr(args, dest) <= 0:
+            raise MegatronArgumentError(f"{name(dest)} must be a positive integer, got {getattr(args, dest)}")
+    tp, pp, cp, ep = (getattr(args, dest) for dest in MODEL_PARALLEL_SIZES)
+    model_parallel = tp * pp * cp
+    if args.world_size % model_parallel:
+        raise MegatronArgumentError(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {model_parallel}: the data-parallel "
+            f"size is world / (TP x PP x CP); launch a multiple of {model_parallel} ranks (torchrun "
+            f"--nproc_per_node) or lower the model-parallel sizes")
+    args.data_parallel_size = args.world_size // model_parallel
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    if etp <= 0:
+        raise MegatronArgumentError(f"--expert-tensor-parallel-size must be a positive integer, got {etp}")
+    if args.world_size % (etp * ep * pp):
+        raise MegatronArgumentError(
+            f"world size {args.world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}: the expert "
+            f"data-parallel size is world / (expert TP x EP x PP); lower --expert-model-parallel-size")
+    if args.num_layers % pp:
+        raise MegatronArgumentError(f"{name('num_layers')} {args.num_layers} is not divisible by "
+                                    f"--pipeline-model-parallel-size {pp}: each pipeline stage gets layers / stages")
+    args.virtual_pipeline_model_parallel_size = None
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if per_virtual is not None:
+        per_stage = args.num_layers // pp
+        if pp == 1 or per_virtual <= 0 or per_stage % per_virtual or per_stage == per_virtual:
+            raise MegatronArgumentError(
+                f"--num-layers-per-virtual-pipeline-stage {per_virtual} needs --pipeline-model-parallel-size > 1 and "
+                f"must divide the {per_stage} layers of each pipeline stage into at least two virtual stages "
+                f"({name('num_layers')} {args.num_layers} / --pipeline-model-parallel-size {pp})")
+        args.virtual_pipeline_model_parallel_size = per_stage // per_virtual
+    if tp == 1:
+        args.sequence_parallel = False
 
 
 def _resolve_batch(args: argparse.Namespace) -> None:

@@ -1,0 +1,253 @@
+"""Megatron-LM's torch_dist optimizer checkpoint: ``sharded_state_dict`` and ``load_state_dict`` in
+megatron-core's two distributed-optimizer formats (sharded_layouts.py says where the tensors go).
+
+Megatron-LM's ``generate_state_dict`` calls ``optimizer.sharded_state_dict(state_dict, is_loading,
+metadata=...)`` with ``metadata['distrib_optim_sharding_type']`` = ``'fully_reshardable'`` (with
+``--dist-ckpt-optim-fully-reshardable``) or ``'dp_reshardable'`` (its default), saves or loads it with
+``megatron.core.dist_checkpointing``, and passes the loaded dict to ``optimizer.load_state_dict``.
+The dict of one DistributedOptimizer is megatron-core's::
+
+    optimizer                 {'param_groups': [...]} (each group with 'step', the update count, and
+                              torch's hyperparameter names), plus 'megatron_opt': scalar_state() (the
+                              per-leaf update counts, loss scaler, skipped steps, rules); megatron-core
+                              reads only 'param_groups'
+    grad_scaler               the loss scaler's state_dict (when there is a loss scaler)
+    param_state               the tensors (sharded_layouts.py)
+    param_state_sharding_type the format
+
+With dp_reshardable the first two are ShardedObjects per data-parallel group, as megatron-core writes
+them. A ChainedOptimizer with one child is that child's dict; with several, ``{index: child dict}``
+(keys prefixed ``chained_<i>.`` unless ``metadata['chained_optim_avoid_prefix']`` and a fully
+reshardable format), as megatron-core's ChainedOptimizer.
+
+megatron-core is imported inside the functions: the package imports without it.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .. import collectives
+from ..errors import UnsupportedConfigError
+from . import sharded_layouts as layouts
+from .state_view import first_nonfinite
+
+SHARDING_TYPE = "distrib_optim_sharding_type"
+# megatron-core's param_group_identifier_keys: how a saved param group finds its group at load.
+GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+FULLY_RESHARDABLE_FORMATS = ("fully_reshardable", "fully_sharded_model_space")  # megatron-core's set
+
+
+def children(optimizer: Any) -> list:
+    """The DistributedOptimizers of ``optimizer`` (a chain's, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def sharding_type(metadata: Optional[dict]) -> str:
+    """The format ``metadata`` asks for. Without one, fully_reshardable: megatron-core 0.16.1's own
+    default ('fully_sharded_model_space') needs flattened ShardedTensors, which it no longer supports."""
+    kind = (metadata or {}).get(SHARDING_TYPE, layouts.FULLY_RESHARDABLE)
+    if kind not in (layouts.FULLY_RESHARDABLE, layouts.DP_RESHARDABLE):
+        raise UnsupportedConfigError(
+            f"optimizer sharded_state_dict: the distributed-optimizer checkpoint format {kind!r} is not supported by "
+            f"megatron_opt; it writes '{layouts.FULLY_RESHARDABLE}' (Megatron-LM: {layouts.FULLY_RESHARDABLE_FLAG}; "
+            f"loadable at any parallel layout) and '{layouts.DP_RESHARDABLE}' (Megatron-LM's default).")
+    return kind
+
+
+# ----------------------------------------------------------------------------- scalar state
+def _torch_group_fields(rule: Any) -> dict[str, Any]:
+    """The hyperparameters megatron-core's inner optimizer (torch's AdamW / SGD, or a fused Adam) keeps
+    in each param group: a load replaces its groups with the saved ones, so they must be complete."""
+    if rule.name == "adam":
+        return {"betas": (rule.beta1, rule.beta2), "eps": rule.eps, "bias_correction": True, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True}
+    if rule.name == "sgd":
+        return {"momentum": rule.momentum, "nesterov": rule.nesterov, "dampening": 0.0, "maximize": False,
+                "foreach": None, "differentiable": False, "fused": None}
+    return dict(rule.hyperparameters())
+
+
+def common_state(child: Any) -> dict[str, Any]:
+    """What megatron-core's DistributedOptimizer.state_dict() returns, plus megatron_opt's scalar state."""
+    leaf = child.state_leaves()[0]
+    step = int(leaf.step.item())
+    extra = _torch_group_fields(leaf.rule)
+    groups = [{**extra, **{k: v for k, v in g.items() if k != "params"}, "step": step} for g in child.param_groups]
+    out: dict[str, Any] = {"optimizer": {"param_groups": groups, "megatron_opt": child.scalar_state()}}
+    if child.grad_scaler is not None:
+        out["grad_scaler"] = child.grad_scaler.state_dict()
+    return out
+
+
+def _identity(group: dict) -> tuple:
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in GROUP_IDENTITY)
+
+
+def scalar_state_from(child: Any, common: dict) -> dict[str, Any]:
+    """The scalar_state() to load into ``child`` from a loaded common state: saved param groups matched
+    to this optimizer's by megatron-core's identity keys (a group the checkpoint lacks keeps its values,
+    as its lr and weight decay come from the schedule), the update count, the loss scaler."""
+    inner = common.get("optimizer")
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        raise ValueError("the optimizer state dict has no 'optimizer' / 'param_groups' (megatron-core's "
+                         "DistributedOptimizer.state_dict() part)")
+    ours = inner.get("megatron_opt")
+    saved = {_identity(g): g for g in (ours["param_groups"] if ours else inner["param_groups"])}
+    groups = []
+    for g in child.param_groups:
+        match = saved.get(_identity(g), {})
+        groups.append({k: match.get(k, v) for k, v in g.items() if k != "params"})
+    if ours:
+        steps = [int(s) for s in ours["steps"]]
+        skipped = int(ours.get("skipped_steps", 0))
+    else:  # written by megatron-core: the update count rides in every param group
+        counts = {int(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
+        if len(counts) > 1:
+            raise ValueError(f"the checkpoint's param groups disagree on the update count: {sorted(counts)}")
+        steps, skipped = [counts.pop() if counts else 0], child.skipped_steps
+    scaler = common.get("grad_scaler") if child.grad_scaler is not None else None
+    return {"param_groups": groups, "steps": steps, "grad_scaler": scaler, "skipped_steps": skipped}
+
+
+# ----------------------------------------------------------------------------- building
+def _shards(child: Any) -> list:
+    leaf = child.state_leaves()[0]
+    return [s for chunk in child.model_chunks for s in chunk.local_shards(leaf.expert_parallel)]
+
+
+def _dp_group_idx(child: Any, expert: bool) -> int:
+    """megatron-core's data_parallel_group_idx: the rank in the model-parallel group (TP x PP; the
+    expert TP x PP group for expert params), 0 at data parallelism only."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            group = (parallel_state.get_expert_tensor_model_pipeline_parallel_group() if expert
+                     else parallel_state.get_model_parallel_group())
+            return collectives.rank(group)
+    except ImportError:
+        pass
+    group = getattr(child, "model_parallel_group", None)
+    return collectives.rank(group) if group is not None else 0
+
+
+def child_sharded_state_dict(child: Any, model_sharded_state_dict: Any, is_loading: bool, kind: str) -> dict:
+    """One DistributedOptimizer's sharded state dict in format ``kind``."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    leaf = child.state_leaves()[0]
+    shards = _shards(child)
+    instance = shards[0].instance_rank if shards else 0
+    common = common_state(child)
+    if kind == layouts.FULLY_RESHARDABLE:
+        params = layouts.model_params_by_identity(model_sharded_state_dict)
+        param_state: Any = layouts.fully_reshardable_state(child, params, instance, is_loading)
+    else:
+        prefix = f"optimizer.distributed.dp_group_idx_{_dp_group_idx(child, leaf.expert_parallel)}"
+        dp_rank = shards[0].rank if shards else 0
+        replica = (instance, 0, dp_rank)
+        common = {k: ShardedObject(f"{prefix}.{k}", v, (1,), (0,), replica_id=replica) for k, v in common.items()}
+        places = layouts.bucket_places(child, leaf.expert_parallel)
+        param_state = layouts.dp_reshardable_state(child, places, prefix, leaf.state_names, is_loading)
+        for name, unpadded in (("per_bucket_numel", False), ("per_bucket_numel_unpadded", True)):
+            param_state[name] = ShardedObject(f"{prefix}.{name}", layouts.bucket_numels(places, unpadded), (1,), (0,),
+                                              replica_id=replica)
+    return {**common, "param_state": param_state, "param_state_sharding_type": kind}
+
+
+def build(optimizer: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Optional[dict]) -> dict:
+    """``optimizer.sharded_state_dict(...)`` (every rank calls it; a refusal raises on every rank together)."""
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    def make() -> dict:
+        kind = sharding_type(metadata)
+        parts = [child_sharded_state_dict(c, model_sharded_state_dict, is_loading, kind) for c in children(optimizer)]
+        if len(parts) == 1:
+            return parts[0]
+        prefixed = kind not in FULLY_RESHARDABLE_FORMATS or not (metadata or {}).get("chained_optim_avoid_prefix", False)
+        for i, part in enumerate(parts):
+            if prefixed:
+                add_prefix_for_sharding(part, f"chained_{i}.")
+        return dict(enumerate(parts))
+
+    return collectives.raise_together(make, None, f"{type(optimizer).__name__}.sharded_state_dict",
+                                      UnsupportedConfigError)
+
+
+# ----------------------------------------------------------------------------- loading
+def is_megatron_format(state_dict: Any) -> bool:
+    """A state dict in megatron-core's distributed-optimizer format (one child's, or a chain's per child)."""
+    if isinstance(state_dict, dict) and "param_state_sharding_type" in state_dict:
+        return True
+    parts = list(state_dict.values()) if isinstance(state_dict, dict) else state_dict
+    return (isinstance(state_dict, (dict, list)) and bool(parts)
+            and all(isinstance(p, dict) and "param_state_sharding_type" in p for p in parts))
+
+
+def _per_child(optimizer: Any, state_dict: Any) -> list[dict]:
+    kids = children(optimizer)
+    if isinstance(state_dict, dict) and "param_state_sharding_type" in state_dict:
+        parts = [state_dict]
+    elif isinstance(state_dict, dict):
+        parts = [v for _, v in sorted(state_dict.items())]
+    else:
+        parts = list(state_dict)
+    if len(parts) != len(kids):
+        raise ValueError(f"the state dict holds the state of {len(parts)} distributed optimizer(s), this "
+                         f"{type(optimizer).__name__} has {len(kids)}")
+    return parts
+
+
+def _read(child: Any, part: dict) -> tuple[list, dict]:
+    """(slice, loaded values) for every slice ``child`` owns, and its scalar state; ValueError if any is missing."""
+    kind = part["param_state_sharding_type"]
+    if kind not in (layouts.FULLY_RESHARDABLE, layouts.DP_RESHARDABLE):
+        raise ValueError(f"the optimizer state dict is in megatron-core's {kind!r} format, which megatron_opt does "
+                         f"not read; re-save it with {layouts.FULLY_RESHARDABLE_FLAG}")
+    if kind == layouts.FULLY_RESHARDABLE:
+        values = layouts.read_fully_reshardable(child, part["param_state"])
+    else:
+        leaf = child.state_leaves()[0]
+        places = layouts.bucket_places(child, leaf.expert_parallel)
+        saved = part["param_state"].get("per_bucket_numel_unpadded")
+        mine = layouts.bucket_numels(places, unpadded=True)
+        if saved != mine:
+            raise ValueError(f"the dp_reshardable checkpoint's buckets hold {saved} elements, this optimizer's "
+                             f"{mine}: its flat-buffer layout differs (another model, bucket size or data-parallel "
+                             f"bucketing); load a checkpoint saved with {layouts.FULLY_RESHARDABLE_FLAG}, which any "
+                             f"layout loads")
+        values = layouts.read_dp_reshardable(child, places, part["param_state"])
+    return values, scalar_state_from(child, part)
+
+
+def load(optimizer: Any, state_dict: Any) -> None:
+    """``optimizer.load_state_dict(state_dict)`` for megatron-core's formats: every rank checks first
+    (the state it owns is present and finite, the param groups and update counts read), a refusal
+    raises the same ValueError on every rank before anything changes; then the state is written, the
+    masters rounded into the params and all-gathered (a collective)."""
+    def check() -> list:
+        plans = []
+        for child, part in zip(children(optimizer), _per_child(optimizer, state_dict)):
+            values, scalars = _read(child, part)
+            bad = first_nonfinite((f"'{layouts.megatron_state_name(s.state)}' of {s.key}", v) for s, v in values)
+            if bad is not None:
+                raise ValueError(f"{bad} holds non-finite values; refusing to load it (the next step would write NaN "
+                                 f"into the params)")
+            plans.append((child, values, scalars))
+        return plans
+
+    plans = collectives.raise_together(check, None, f"{type(optimizer).__name__}.load_state_dict", ValueError)
+    with torch.no_grad():
+        for child, values, scalars in plans:
+            for s, v in values:
+                s.write(v)
+            child.load_scalar_state(scalars)
+        for child, _, _ in plans:
+            child.sync_params_from_masters()
+
+
+__all__ = ["SHARDING_TYPE", "children", "sharding_type", "common_state", "scalar_state_from",
+           "child_sharded_state_dict", "build", "is_megatron_format", "load"]

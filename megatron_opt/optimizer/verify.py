@@ -1,0 +1,401 @@
+"""Verify mode (``OptimizerConfig.verify_interval = N``): on calls N, 2N, ... of ``step()``, on every
+rank, three checks of the step against what must hold:
+
+  replica  before the step (before its param all-gather can overwrite a bad copy): the model params
+           as this step's forward and backward used them are bitwise identical on every rank of the
+           data-parallel group (optimizer/replica_check.py);
+  cast     before the step: every owned element of a 16-bit param equals its master cast to the
+           param dtype (nearest even; with param remainders the split of the joined master), i.e.
+           nothing changed either since the last update;
+  update   after pass 2: this rank's new masters and update-rule state equal a float64
+           recomputation (the rule's ``float64_update``) from a snapshot of the shard taken before
+           the step and the reduced, unscaled, clipped gradients, within the bound of the fp32
+           arithmetic (optimizer/float64_update.py) plus the rounding of 16-bit stores; a skipped
+           step must have changed nothing at all.
+
+The checks only read the optimizer's tensors, outside the step proper (never inside a CUDA graph),
+so a verified step is bitwise the step it would have been. The findings of every rank are agreed on
+in one small all-reduce (and gathered only when there are some): with ``verify_action="raise"``
+every rank raises the same VerificationError, with ``"warn"`` every rank logs the same WARNING and
+training goes on. ``StepVerifier.report`` (``optimizer.verify_report``) says what was verified last.
+Memory: one transient copy of this rank's optimizer shard (masters, 16-bit params, rule state).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from .. import collectives
+from ..errors import UnsupportedConfigError, VerificationError
+from ..ops import precision
+from .float64_update import Float64Inputs, Float64Update
+from .replica_check import Checksums, localise, mismatched_buckets
+from .shard_store import OwnedShard
+from .update_rules import UpdateRule
+
+logger = logging.getLogger("megatron_opt")
+
+_CHUNK = 1 << 18  # elements recomputed at once: bounds the float64 temporaries
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One failed check: which, on which param, the rank at fault and the size of the difference."""
+
+    check: str  # "replica", "update" or "cast"
+    param: str
+    rank: int  # the global rank at fault
+    abs_diff: float
+    rel_diff: float
+    detail: str
+
+    def describe(self) -> str:
+        return (f"{self.check}: param '{self.param}', rank {self.rank} at fault: {self.detail}; max abs diff "
+                f"{self.abs_diff:.6g}, max rel diff {self.rel_diff:.6g}")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What verify mode has done in this process (``optimizer.verify_report``)."""
+
+    interval: int
+    action: str
+    step_calls: int  # calls of step() so far, skipped steps included
+    last_verified_step: Optional[int]  # the step() call (counted from 1) verified last; None before the first
+    verified_steps: int
+    last_findings: tuple[Finding, ...]  # of the last verified step: empty when every check passed
+
+
+@dataclass
+class _ShardCopy:
+    master: torch.Tensor
+    param: Optional[torch.Tensor]  # the 16-bit param shard (None when the master is the fp32 param)
+    state: dict[str, torch.Tensor]
+
+
+@dataclass
+class _Pending:
+    """What begin() found and kept for finish(): the snapshot of every leaf before the step."""
+
+    call: int
+    findings: list[Finding]
+    loss_scale: torch.Tensor  # float64: the scale pass 1 divides by (the scaler may change it later)
+    steps: list[torch.Tensor]  # per leaf, its update counter before the step
+    shards: list[list[_ShardCopy]]  # per leaf, per owned shard
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def recompute_of(rule: UpdateRule) -> Callable[[Float64Inputs], Optional[Float64Update]]:
+    """The rule's float64_update, which must be defined by the class that defines its ``apply``
+    (or by a subclass of it): an inherited recomputation of another formula would be wrong."""
+    mro = type(rule).__mro__
+    apply_owner = next(c for c in mro if "apply" in vars(c))
+    recompute_owner = next(c for c in mro if "float64_update" in vars(c))
+    if recompute_owner is UpdateRule or not issubclass(recompute_owner, apply_owner):
+        raise UnsupportedConfigError(
+            f"OptimizerConfig.verify_interval > 0 needs a float64 recomputation of the update rule "
+            f"{type(rule).__name__} for its 'update' check, and {apply_owner.__name__} defines apply() without "
+            f"float64_update(): define float64_update() beside apply() (docs/usage.md, 'Verify mode'), or set "
+            f"verify_interval=0.")
+    return rule.float64_update
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _piece_mask(mask: torch.Tensor, s: OwnedShard, lo: int = 0) -> torch.Tensor:
+    """``mask`` (over shard elements [lo, lo + len)) with every element outside the pieces cleared."""
+    hi = lo + mask.numel()
+    keep = torch.zeros_like(mask)
+    for start, end in zip(s.table.starts, s.table.ends):
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            keep[a - lo : b - lo] = True
+    return mask & keep
+
+
+def _pieces_in(s: OwnedShard, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
+    """(param name, piece start, piece end, param element of the piece start) of the pieces overlapping [lo, hi)."""
+    for pc in s.shard.pieces:
+        a, b = max(pc.shard_range.start, lo), min(pc.shard_range.end, hi)
+        if a < b:
+            yield s.shard.names[pc.param_index], a, b, pc.param_range.start + (a - pc.shard_range.start)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _storage_bound(values: torch.Tensor, arithmetic: torch.Tensor, dtype: torch.dtype, stochastic: bool
+                   ) -> torch.Tensor:
+    """How far a store into ``dtype`` may move a value computed in fp32 (within ``arithmetic`` of
+    ``values``): half an ulp to nearest, a whole ulp stochastically, and one subnormal step near
+    zero. Nothing for fp32 (its rounding is the arithmetic's, in the rule's bound)."""
+    if dtype in (torch.float32, torch.float64):
+        return torch.zeros_like(values)
+    info = torch.finfo(dtype)
+    return (values.abs() + arithmetic) * (info.eps if stochastic else info.eps / 2) + info.tiny * info.eps
+
+
+def _diffs(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    diff = (got.double() - want.double()).abs()
+    rel = diff / want.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
+    return float(diff.max()), float(rel.max())
+
+
+# ---------------------------------------------------------------------------------------------- cast
+def _cast_of_master(s: OwnedShard) -> torch.Tensor:
+    """What the shard's 16-bit param must hold: its master cast to the param dtype, as pass 2 stores it."""
+    values = precision.load_master(s.master, s.param_out)
+    if precision.is_remainder(s.master):
+        param, remainder = torch.empty_like(s.param_out), torch.empty_like(s.master)
+        precision.split_remainder(values, param, remainder)
+        return param
+    return values.to(s.param_out.dtype)
+
+
+def cast_findings(shards: Sequence[OwnedShard], rank: int) -> list[Finding]:
+    checked = [(s, _cast_of_master(s)) for s in shards if s.param_out is not None]
+    if not checked:
+        return []
+    counts = torch.stack([_piece_mask(_words(s.param_out) != _words(want), s).sum() for s, want in checked]).tolist()
+    findings = []
+    for (s, want), count in zip(checked, counts):
+        if not count:
+            continue
+        for name, a, b, element in _pieces_in(s, 0, s.table.numel):
+            bad = _words(s.param_out[a:b]) != _words(want[a:b])
+            if bool(bad.any()):
+                first = int(bad.nonzero()[0])
+                abs_diff, rel_diff = _diffs(s.param_out[a:b][bad], want[a:b][bad])
+                findings.append(Finding(
+                    "cast", name, rank, abs_diff, rel_diff,
+                    f"{int(bad.sum())} of {b - a} owned elements no longer equal their master cast to "
+                    f"{str(s.param_out.dtype).replace('torch.', '')} (first at element {element + first}: param "
+                    f"{s.param_out[a + first].item()!r}, master cast {want[a + first].item()!r})"))
+    return findings
+
+
+# ---------------------------------------------------------------------------------------------- update
+def _snapshot(s: OwnedShard) -> _ShardCopy:
+    return _ShardCopy(s.master.clone(), None if s.param_out is None else s.param_out.clone(),
+                      {n: t.clone() for n, t in s.state.items()})
+
+
+@dataclass(frozen=True)
+class _UpdateContext:
+    recompute: Callable[[Float64Inputs], Optional[Float64Update]]
+    param_groups: list[dict]
+    step: int  # the 1-based index of this update
+    multiplier: torch.Tensor  # float64 device scalar of the shard: unscale factor / loss scale * clip
+    stochastic: bool
+
+
+def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi: int, gid: int
+                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per stored tensor of [lo, hi): (bad mask over piece elements, got, expected, tolerance)."""
+    group = ctx.param_groups[gid]
+    before = precision.load_master(c.master[lo:hi], None if c.param is None else c.param[lo:hi]).double()
+    inputs = Float64Inputs(master=before, grad=s.shard.grad[lo:hi].double() * ctx.multiplier,
+                           state={n: t[lo:hi].double() for n, t in c.state.items()}, lr=float(group["lr"]),
+                           weight_decay=float(group["weight_decay"]), step=ctx.step)
+    expected = ctx.recompute(inputs)
+    if expected is None:
+        raise UnsupportedConfigError("verify mode: the update rule's float64_update() returned None.")
+    stored = {"master": s.master, **s.state}
+    got_values = {"master": precision.load_master(s.master[lo:hi], None if s.param_out is None
+                                                  else s.param_out[lo:hi]).double(),
+                  **{n: t[lo:hi].double() for n, t in s.state.items()}}
+    out = {}
+    for name, got in got_values.items():
+        want = expected.values[name]
+        dtype = stored[name].dtype if name != "master" or not precision.is_remainder(s.master) else torch.float32
+        arithmetic = expected.tolerance[name]
+        tol = arithmetic + _storage_bound(want, arithmetic, dtype, ctx.stochastic and dtype == torch.bfloat16)
+        ok = ((got - want).abs() <= tol) | (got == want) | (got.isnan() & want.isnan())
+        out[name] = (_piece_mask(~ok, s, lo), got, want, tol)
+    return out
+
+
+def _chunks(s: OwnedShard) -> Iterator[tuple[int, int, int]]:
+    for start, end, gid in s.table.group_runs():
+        for lo in range(start, end, _CHUNK):
+            yield lo, min(lo + _CHUNK, end), gid
+
+
+def _update_detail(s: OwnedShard, ctx: _UpdateContext, c: _ShardCopy, lo: int, hi: int, gid: int,
+                   rank: int) -> list[Finding]:
+    findings = []
+    for tensor, (bad, got, want, tol) in _chunk_check(s, c, ctx, lo, hi, gid).items():
+        for name, a, b, element in _pieces_in(s, lo, hi):
+            piece_bad = bad[a - lo : b - lo]
+            if not bool(piece_bad.any()):
+                continue
+            first = int(piece_bad.nonzero()[0])
+            i = a - lo + first
+            sel = slice(a - lo, b - lo)
+            abs_diff, rel_diff = _diffs(got[sel][piece_bad], want[sel][piece_bad])
+            findings.append(Finding(
+                "update", name, rank, abs_diff, rel_diff,
+                f"{int(piece_bad.sum())} of {b - a} owned elements of its {tensor} differ from the float64 "
+                f"recomputation by more than the tolerance (first at element {element + first}: "
+                f"{got[i].item()!r} instead of {want[i].item()!r} +- {tol[i].item():.3g})"))
+    return findings
+
+
+def update_findings(shards: Sequence[OwnedShard], copies: Sequence[_ShardCopy], contexts: Sequence[_UpdateContext],
+                    rank: int) -> list[Finding]:
+    """The applied update of every owned shard against its float64 recomputation (one host read)."""
+    work = [(s, c, ctx, lo, hi, gid) for s, c, ctx in zip(shards, copies, contexts) for lo, hi, gid in _chunks(s)]
+    if not work:
+        return []
+    counts = torch.stack([sum(bad.sum() for bad, *_ in _chunk_check(s, c, ctx, lo, hi, gid).values())
+                          for s, c, ctx, lo, hi, gid in work]).tolist()
+    findings = []
+    for (s, c, ctx, lo, hi, gid), count in zip(work, counts):
+        if count:  # recomputed once more, for the details: only on a failure
+            findings += _update_detail(s, ctx, c, lo, hi, gid, rank)
+    return findings
+
+
+def unchanged_findings(shards: Sequence[OwnedShard], copies: Sequence[_ShardCopy], rank: int) -> list[Finding]:
+    """A skipped step: every stored tensor of every owned piece must be bitwise what it was."""
+    findings = []
+    for s, c in zip(shards, copies):
+        pairs = [("master", s.master, c.master), *((n, s.state[n], c.state[n]) for n in s.state)]
+        if s.param_out is not None:
+            pairs.append(("param", s.param_out, c.param))
+        for tensor, now, before in pairs:
+            changed = _piece_mask(_words(now) != _words(before), s)
+            if not bool(changed.any()):
+                continue
+            for name, a, b, element in _pieces_in(s, 0, s.table.numel):
+                piece = changed[a:b]
+                if bool(piece.any()):
+                    first = int(piece.nonzero()[0])
+                    abs_diff, rel_diff = _diffs(now[a:b][piece].float(), before[a:b][piece].float())
+                    findings.append(Finding(
+                        "update", name, rank, abs_diff, rel_diff,
+                        f"the step was skipped but {int(piece.sum())} of {b - a} owned elements of its {tensor} "
+                        f"changed (first at element {element + first})"))
+    return findings
+
+
+# ---------------------------------------------------------------------------------------------- the verifier
+class StepVerifier:
+    """Verify mode for one StepDriver: begin() before the step, finish() after it."""
+
+    def __init__(self, leaves: Sequence[Any], interval: int, action: str,
+                 groups: Sequence[Optional[torch.distributed.ProcessGroup]]) -> None:
+        self.leaves = list(leaves)
+        self.interval = interval
+        self.action = action
+        self.groups = [g for g in groups if collectives.world_size(g) > 1]
+        self._recompute = [recompute_of(leaf.rule) for leaf in self.leaves]
+        self._checksums = Checksums()
+        self._calls = 0
+        self._verified = 0
+        self._last_verified: Optional[int] = None
+        self._last_findings: tuple[Finding, ...] = ()
+
+    @staticmethod
+    def from_config(leaves: Sequence[Any], config: Any,
+                    groups: Sequence[Optional[torch.distributed.ProcessGroup]]) -> Optional["StepVerifier"]:
+        interval = int(getattr(config, "verify_interval", 0) or 0)
+        if interval <= 0:
+            return None
+        return StepVerifier(leaves, interval, getattr(config, "verify_action", "raise"), groups)
+
+    @property
+    def report(self) -> VerifyReport:
+        return VerifyReport(self.interval, self.action, self._calls, self._last_verified, self._verified,
+                            self._last_findings)
+
+    def begin(self, sources: Sequence[Any], loss_scale: torch.Tensor) -> Optional[_Pending]:
+        """Count this step() call; on a verified one, check replicas and casts and snapshot the shards."""
+        self._calls += 1
+        if self._calls % self.interval:
+            return None
+        for src in sources:  # the params as the forward used them: no all-gather still in flight
+            if src.ddp_config.overlap_param_gather:
+                src.finish_param_sync()
+        rank = _rank()
+        findings: list[Finding] = []
+
+        def replica(name: str, at: int, abs_diff: float, rel_diff: float, detail: str) -> None:
+            findings.append(Finding("replica", name, at, abs_diff, rel_diff, detail))
+
+        published = [shard for leaf in self.leaves for _, shard in leaf.store.published]
+        for group, shards in mismatched_buckets(published, self._checksums):
+            localise(group, shards, self._checksums, replica)
+        for leaf in self.leaves:
+            findings += cast_findings(leaf.store.shards, rank)
+        return _Pending(self._calls, findings, loss_scale.detach().double().clone(),
+                        [leaf.step.clone() for leaf in self.leaves],
+                        [[_snapshot(s) for s in leaf.store.shards] for leaf in self.leaves])
+
+    def finish(self, pending: _Pending, skipped: torch.Tensor, grad_norm: torch.Tensor, clip_grad: float) -> None:
+        """After the step: check the update (or that a skipped step changed nothing), agree with every
+        rank, then raise VerificationError or log a WARNING. ``skipped``, ``grad_norm``: the step
+        decision's device tensors."""
+        rank = _rank()
+        findings = list(pending.findings)
+        applied = not bool(skipped.reshape(-1)[0] != 0)
+        clip = torch.ones((), dtype=torch.float64, device=grad_norm.device)
+        if applied and clip_grad > 0.0:
+            clip = torch.clamp(clip_grad / (grad_norm.reshape(-1)[0].double() + 1.0e-6), max=1.0)
+        for leaf, recompute, step_before, copies in zip(self.leaves, self._recompute, pending.steps, pending.shards):
+            expected_step = int(step_before.reshape(-1)[0]) + (1 if applied else 0)
+            if int(leaf.step.reshape(-1)[0]) != expected_step:
+                findings.append(Finding("update", "(update counter)", rank, 1.0, 1.0,
+                                        f"the update counter is {int(leaf.step.reshape(-1)[0])}, expected "
+                                        f"{expected_step}"))
+            if not applied:
+                findings += unchanged_findings(leaf.store.shards, copies, rank)
+                continue
+            contexts = [_UpdateContext(recompute, leaf.param_groups, expected_step,
+                                       s.shard.unscale_factor.reshape(()).double() / pending.loss_scale.reshape(())
+                                       * clip.to(s.master.device),
+                                       bool(getattr(leaf.rule, "stochastic_rounding", False)))
+                        for s in leaf.store.shards]
+            findings += update_findings(leaf.store.shards, copies, contexts, rank)
+        agreed = self._agree(findings)
+        self._verified += 1
+        self._last_verified = pending.call
+        self._last_findings = tuple(agreed)
+        if agreed:
+            self._fail(pending.call, agreed)
+
+    def _agree(self, findings: list[Finding]) -> list[Finding]:
+        """Every rank's findings, identical on every rank of the first group: one MAX all-reduce of a
+        flag per group, and an all_gather_object only when some rank found something."""
+        if not self.groups:
+            return findings
+        flag = torch.tensor([1.0 if findings else 0.0], dtype=torch.float64,
+                            device=collectives.flag_device(self.groups[0]))
+        for group in self.groups:
+            collectives.all_reduce(flag, group, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() == 0:
+            return []
+        everyone = collectives.agree("verify mode", None, self.groups[0], payload=findings)
+        merged = list(dict.fromkeys(f for rank_findings in everyone for f in rank_findings))
+        if not merged:  # seen only through a later group: a model-parallel peer's finding
+            merged = [Finding("peer", "(unknown)", -1, float("nan"), float("nan"),
+                              "a check failed on a rank of another process group (a model-parallel peer)")]
+        return merged
+
+    def _fail(self, call: int, findings: list[Finding]) -> None:
+        lines = "\n".join(f"  - {f.describe()}" for f in findings)
+        message = f"megatron_opt verify mode: step() call {call} failed {len(findings)} check(s):\n{lines}"
+        if self.action == "warn":
+            logger.warning("%s", message)
+            return
+        raise VerificationError(message)
+
+
+__all__ = ["StepVerifier", "VerifyReport", "Finding", "recompute_of", "cast_findings", "update_findings",
+           "unchanged_findings"]

@@ -1,0 +1,107 @@
+"""megatron_opt under model parallelism inside Megatron-LM's own loop: megatron-core 0.16.1's GPTModel split
+by tensor (+sequence), pipeline (1F1B, interleaved) and expert parallelism, megatron-core's schedule and
+finalize_model_grads, megatron_opt switched in by install(); against a float64 single-process reference of
+the whole model, with megatron-core's own DDP + DistributedOptimizer on the same harness as calibration.
+
+Each case checks per-step loss and grad norm, the update after 4 steps, DP (and expert-DP) replicas
+bitwise equal, TP copies of replicated params bitwise equal and the last stage's tied output weight equal
+to the first stage's embedding. The cases cover fp32/bf16, overlap on/off and per-token/mean loss over
+the layouts without taking their cross product.
+"""
+from __future__ import annotations
+
+import pytest
+
+import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
+import cases_model_parallel as cmp
+
+OURS, CORE = "megatron_opt", "megatron_core"
+# Tolerances, calibrated by megatron-core's own optimizer on this harness (which meets them: asserted below).
+LOSS_ATOL = {False: 1e-6, True: 2e-3}  # by bf16; fp32: megatron-core's max is ~3e-7
+NORM_RTOL = {False: 1e-6, True: 5e-3}  # fp32: megatron-core's max is ~8e-8
+FP32_UPDATE_FACTOR = 2.0  # fp32 update error within this many times megatron-core's (or plain fp32 torch's)
+BF16_UPDATE_FACTOR = 1.5  # bf16 model params: within this many times megatron-core's figure
+# megatron-core 0.16.1 filters replicated expert params (the experts' fc2 biases) by the *dense* TP rank
+# (Megatron-LM #5916/#6470): its grad norm misses the reference here by ~3.5%; ours must not.
+CORE_EXPERT_NORM_BUG = {"tp2_sp_ep2_etp1"}
+
+# (layout, per_token, overlap, bf16, world size): a covering set, not the cross product.
+CASES = [
+    ("tp2", False, False, False, 4),
+    ("tp2_sp", True, True, False, 4),
+    ("tp2_sp", True, False, True, 4),
+    ("pp2", True, True, False, 4),
+    ("pp2", False, False, True, 4),
+    ("pp2_vp2", True, False, False, 4),
+    ("pp2_vp2", False, True, False, 4),
+    ("ep2", False, True, False, 4),
+    ("tp2_sp_ep2_etp1", True, False, False, 4),
+    ("ep2_etp2", True, True, False, 4),
+    ("tp2_sp", False, True, False, 2),
+    ("pp2_vp2", True, False, False, 2),
+    ("ep2", True, False, False, 2),
+]
+
+
+def _case_id(case) -> str:
+    layout, per_token, overlap, bf16, world = case
+    return "-".join([layout, "per_token" if per_token else "mean_loss", "overlap" if overlap else "sync",
+                     "bf16" if bf16 else "fp32", f"world{world}"])
+
+
+def figures(results: list, impl: str) -> dict:
+    """The worst figures over the ranks: loss error (last stages), relative grad-norm error, update error,
+    and which replica checks failed on some rank."""
+    ref = results[0]["reference"]
+    mine = [r[impl] for r in results]
+    losses = [abs(a - b) for r in mine if r["losses"][0] is not None for a, b in zip(r["losses"], ref["losses"])]
+    assert losses, "no rank reported the loss"
+    checks = [k for k, v in mine[0].items() if isinstance(v, bool)]
+    return {"loss": max(losses),
+            "norm": max(abs(a - b) / b for r in mine for a, b in zip(r["norms"], ref["norms"])),
+            "update": mine[0]["update_error"], "fp32_torch": ref["fp32_torch_error"],
+            "failed_checks": sorted(k for k in checks if not all(r[k] for r in mine)),
+            "modules": {r["optimizer_module"].split(".")[0] + "." + r["optimizer_module"].split(".")[1] for r in mine},
+            "same_update_everywhere": len({r["update_error"] for r in mine}) == 1}
+
+
+def check_parity(figs: dict, bf16: bool, update_bound: float) -> None:
+    assert not figs["failed_checks"], figs
+    assert figs["same_update_everywhere"], figs
+    assert figs["loss"] <= LOSS_ATOL[bf16], figs
+    assert figs["norm"] <= NORM_RTOL[bf16], figs
+    assert figs["update"] <= update_bound, (figs, update_bound)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_model_parallel_gpt_matches_float64_reference(pools, case):
+    layout, per_token, overlap, bf16, world = case
+    results = pools(world).run(cmp.run_layout, layout, per_token, overlap, bf16, (CORE, OURS))
+    ours, core = figures(results, OURS), figures(results, CORE)
+    assert ours["modules"] == {"megatron_opt.optimizer"} and core["modules"] == {"megatron.core"}, (ours, core)
+    if bf16:
+        bound = BF16_UPDATE_FACTOR * core["update"]
+    elif layout in CORE_EXPERT_NORM_BUG:
+        bound = FP32_UPDATE_FACTOR * ours["fp32_torch"]
+    else:
+        bound = FP32_UPDATE_FACTOR * max(core["update"], core["fp32_torch"])
+    check_parity(ours, bf16, bound)
+    # The calibration: megatron-core's own optimizer meets the same tolerances on the same harness ...
+    if layout in CORE_EXPERT_NORM_BUG:  # ... except for its expert-norm bug, which shows here
+        assert core["norm"] > 1e-2, core
+    else:
+        check_parity(core, bf16, bound if bf16 else FP32_UPDATE_FACTOR * core["fp32_torch"])
+
+
+@pytest.mark.parametrize("sabotage, layout, broken_check", [
+    ("no_tp_sum", "tp2_sp", "tp_copies_equal"),
+    ("no_embedding_allreduce", "pp2", "tied_embedding_equal"),
+])
+def test_checks_catch_a_missing_model_parallel_reduction(pools, sabotage, layout, broken_check):
+    """With one of finalize_model_grads' reductions switched off (test-side), the parity checks fail."""
+    results = pools(4).run(cmp.run_layout, layout, True, False, False, (OURS,), sabotage=sabotage)
+    figs = figures(results, OURS)
+    assert broken_check in figs["failed_checks"], figs
+    assert figs["update"] > 1e3 * figs["fp32_torch"], figs
+    with pytest.raises(AssertionError):
+        check_parity(figs, False, FP32_UPDATE_FACTOR * figs["fp32_torch"])
