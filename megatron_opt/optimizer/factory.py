@@ -5,10 +5,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from .. import collectives
 from ..config import OptimizerConfig
 from ..errors import InvalidConfigError
 from ..config_conversion import as_optimizer_config, is_ours
-from ..distributed.parallel_groups import from_pg_collection
 from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
@@ -160,17 +160,19 @@ def _check_pg_collection(pg_collection: Any, chunks: Sequence[GradSource]) -> No
     gradient statistics already count each model-parallel copy once with those groups)."""
     if pg_collection is None:
         return
-    given = from_pg_collection(pg_collection).sizes()
-    for chunk in chunks:
-        wrapped = getattr(chunk, "model_parallel_groups", None)
-        if wrapped is None:
-            continue
-        for dimension, size in wrapped.sizes().items():
-            if given[dimension] != size:
+    for field, dimension in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        group = getattr(pg_collection, field, None)
+        if isinstance(group, (list, tuple)):  # megatron-core allows one pipeline group per chunk
+            group = group[0] if group else None
+        given = collectives.world_size(group) if group is not None else 1
+        for chunk in chunks:
+            wrapped = getattr(chunk, "model_parallel_groups", None)
+            size = wrapped.sizes()[dimension] if wrapped is not None else 1
+            if given != size:
                 raise InvalidConfigError(
-                    f"get_megatron_optimizer: pg_collection's {dimension}-parallel group has {given[dimension]} "
-                    f"rank(s) but the model chunks were wrapped with {size}; pass the pg_collection the model "
-                    f"was wrapped with (or none).")
+                    f"get_megatron_optimizer: pg_collection.{field} has {given} rank(s) but the model chunks were "
+                    f"wrapped with a {dimension}-parallel size of {size}; pass the pg_collection the model was "
+                    f"wrapped with (or none).")
 
 
 def _dump_param_groups(chunks: Sequence[GradSource], groups: list[dict], path: str) -> None:

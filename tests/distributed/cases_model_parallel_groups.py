@@ -143,3 +143,20 @@ def run_expert_data_parallel_group_is_required() -> dict:
     except ValueError as exc:
         errors["megatron-core"] = str(exc)
     return errors
+
+
+def run_optimizer_pg_collection_must_match_the_wrapper() -> str:
+    """get_megatron_optimizer(pg_collection=...) whose TP size is not the chunks' is refused."""
+    pair, dp_only = _pairs()
+    ddp = mo.DistributedDataParallel(TinyLM(), mo.DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                     data_parallel_group=dp_only,
+                                     model_parallel_groups=mo.ModelParallelGroups(tensor=pair))
+
+    class Collection:  # a data-parallel-only collection
+        tp = None
+    try:
+        mo.get_megatron_optimizer(mo.OptimizerConfig(lr=LR, use_distributed_optimizer=True), ddp,
+                                  pg_collection=Collection())
+    except mo.InvalidConfigError as exc:
+        return str(exc)
+    return ""

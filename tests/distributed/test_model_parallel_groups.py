@@ -3,6 +3,7 @@ replicated tensor-parallel params counted once, and a NaN on one peer stopping e
 import pytest
 
 from cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
+                                         run_optimizer_pg_collection_must_match_the_wrapper,
                                          run_replicated_tensor_parallel)
 
 
@@ -40,3 +41,8 @@ def test_expert_parallel_needs_its_own_data_parallel_group(pools):
     for r in pools(4).run(run_expert_data_parallel_group_is_required):
         assert "expert_data_parallel_group" in r["ours"]
         assert "no 'expt_dp' group" in r["megatron-core"]
+
+
+def test_optimizer_pg_collection_must_match_the_wrapper(pools):
+    for message in pools(4).run(run_optimizer_pg_collection_must_match_the_wrapper):
+        assert "pg_collection.tp has 1 rank(s) but the model chunks were wrapped with a tensor-parallel size of 2" in message
