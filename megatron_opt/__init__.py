@@ -15,6 +15,7 @@ from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, Megatr
 from .optimizer.megatron_optimizer import MegatronOptimizer
 from .optimizer.step_driver import SkipReason, StepState
 from .optimizer.update_rules import SGD, AdamW, Lion, UpdateRule
+from .optimizer.verify import Finding, VerifyReport
 from .scheduler import OptimizerParamScheduler
 from .training import TrainStepResult, canonical_lr, train_step
 
@@ -30,6 +31,8 @@ __all__ = [
     "RankError",
     "MegatronOptError",
     "VerificationError",
+    "VerifyReport",
+    "Finding",
     "GradSource",
     "LocalShard",
     "ShardPiece",

@@ -10,29 +10,33 @@ the optimizer, schedule, precision, batch, logging and checkpoint block of a Meg
 runs with only the entry point changed. Model parallelism (--tensor-model-parallel-size, --sequence-parallel,
 --pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, --expert-model-parallel-size with
 --num-experts) trains megatron-core's GPTModel through its schedule (scripts/pretrain_model_parallel.py).
-Flags for what megatron_opt or this script does not have (fp8, data and tokenizer paths, other model architectures, evaluation,
-...: "not supported yet: <reason>") and unknown flags ("unknown flag --x; did you mean --y?") are all
+Megatron-LM's data, tokenizer and evaluation blocks run through megatron-core's data code
+(scripts/pretrain_data.py, pretrain_eval.py; docs/pretrain.md). Flags for what megatron_opt or this
+script does not have (fp8, other model architectures, ...: "not supported yet: <reason>") and unknown flags ("unknown flag --x; did you mean --y?") are all
 named in one error (exit code 2; torchrun itself then exits 1), printed by rank 0 without the usage
 text, before any process group exists; no-op values (--attention-dropout 0, ...) are accepted.
 
 Defaults are Megatron-LM's, except where it has none or a run with no flags should stay a short demo
 (DEMO_DEFAULTS): --lr 3e-3, --train-iters 30, --micro-batch-size 4, --seq-length 64, --hidden-size 128,
 --num-layers 2, --num-attention-heads 4, --lr-warmup-iters a sixth of --train-iters (5 at 30, 0 at 5;
-Megatron-LM: 0), --log-interval 1 (Megatron-LM: 100); on --load the checkpoint's schedule is kept unless --override-opt-param-scheduler.
+Megatron-LM: 0), --log-interval 1 (Megatron-LM: 100), --eval-iters 10 (Megatron-LM: 100).
 This script's older flags are aliases (LEGACY_ALIASES): --steps, --seq-len, --hidden, --layers, --heads,
 --warmup-steps, --bucket-size; with megatron_opt's --num-microbatches N and --loss-mode per_token|mean.
 
 The model is Megatron-LM's default GPT without dropout: learned absolute positions, pre-LayerNorm
 blocks with multi-head causal attention and a GELU MLP, biases, and an output layer tied to the input
-embedding. The data is character-level text from the docstrings of Python's standard library (nothing
-is downloaded), cut into documents of random length and padded with ignored labels, so micro-batches
-carry different numbers of supervised tokens and the per-token loss normalisation matters. Every
---log-interval iterations rank 0 logs loss (the interval's mean), grad norm, loss scale, lr, skipped
-iterations, tokens/s and time per iteration; --log-json FILE appends the exact values of every iteration.
+embedding (scripts/pretrain_model.py). Without a data flag the data is character-level text from the
+docstrings of Python's standard library (nothing is downloaded), cut into documents of random length
+and padded with ignored labels, so micro-batches carry different numbers of supervised tokens and the
+per-token loss normalisation matters. Every --log-interval iterations rank 0 prints Megatron-LM's log
+line (scripts/pretrain_logging.py), and validation lines at --eval-interval and after training;
+--log-json FILE appends the exact values of every iteration.
 
 Checkpoints (megatron_opt.checkpoint): --save DIR every --save-interval iterations and at the end;
 --load DIR resumes model, optimizer, schedule, loss scale, iteration, RNG and data position (at any
-data-parallel size; RNG and data position only at the same size); --exit-interval N saves and exits.
+data-parallel size; RNG, and the built-in corpus' position, only at the same size); --exit-interval N
+saves and exits. --load and --save never lose a run (scripts/pretrain_resume.py): a missing --load is
+said, a --save over newer iterations is refused, a changed schedule or batch is warned about.
 
 Divergence: as Megatron-LM (--check-for-nan-in-loss-and-grad, on by default), a non-finite loss, or
 non-finite gradients outside the fp16 dynamic scaler's backoff, stops every rank (exit code 4, a

@@ -88,6 +88,7 @@ class PhaseTimers:
 
     def __init__(self, level: int, cuda: bool) -> None:
         self.level, self.cuda = level, cuda
+        self.device = torch.device("cuda") if cuda else torch.device("cpu")  # NCCL reduces device tensors
         self.totals: dict[str, float] = defaultdict(float)
 
     def names(self) -> tuple[str, ...]:
@@ -139,7 +140,8 @@ class PhaseTimers:
             return None, {}
         if "forward-compute" in self.totals:
             self.totals["backward-compute"] = self.totals["forward-backward"] - self.totals["forward-compute"]
-        local = torch.tensor([self.totals.get(n, 0.0) * 1000.0 / normalizer for n in names], dtype=torch.float64)
+        local = torch.tensor([self.totals.get(n, 0.0) * 1000.0 / normalizer for n in names], dtype=torch.float64,
+                             device=self.device)
         high, low = local.clone(), local.clone()
         dist.all_reduce(high, op=dist.ReduceOp.MAX)
         dist.all_reduce(low, op=dist.ReduceOp.MIN)

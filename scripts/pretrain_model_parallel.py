@@ -40,7 +40,7 @@ import megatron_opt as mo
 from megatron_opt.megatron import arguments as megatron_args
 import pretrain_data
 import pretrain_eval
-from megatron_core_on_cpu import maybe_on_cpu
+from megatron_core_on_cpu import patched
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels with -100 where no loss is taken)
 SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -252,7 +252,7 @@ def job_class(base: type) -> type:
                 num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
                 distributed_timeout_minutes=args.distributed_timeout_minutes,
                 create_gloo_process_groups=False)  # megatron_opt needs none
-            with maybe_on_cpu(self.device):
+            with patched(self.device):
                 tensor_parallel.model_parallel_cuda_manual_seed(args.seed)  # the tracker megatron-core forks
             self.source = pretrain_data.build_source(args, parallel_state.get_data_parallel_rank(),
                                                      parallel_state.get_data_parallel_world_size())
@@ -260,13 +260,13 @@ def job_class(base: type) -> type:
             vocab = pretrain_data.padded_vocab_size(self.source.vocab_size,
                                                     args.make_vocab_size_divisible_by * args.tensor_model_parallel_size)
             self.config = transformer_config(args, self.dtype)
-            with maybe_on_cpu(self.device):
+            with patched(self.device):
                 chunks = build_chunks(args, self.config, vocab)
             chunks = [chunk.to(self.device) for chunk in chunks]
             self.model = torch.nn.ModuleList(chunks)
             modules = [Float16Module(self.config, c) for c in chunks] if args.fp16 or args.bf16 else chunks
             ddp_config = megatron_args.ddp_config_from_args(args)
-            with maybe_on_cpu(self.device):  # the last stage's tied weight is synced at construction
+            with patched(self.device):  # the last stage's tied weight is synced at construction
                 self.ddps = [mo.DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=m,
                                                         disable_bucketing=index > 0)
                              for index, m in enumerate(modules)]
@@ -288,7 +288,7 @@ def job_class(base: type) -> type:
 
             args = self.args
             step = self.timers.wrap(forward_step, "forward-compute", level=2)
-            with maybe_on_cpu(self.device):
+            with patched(self.device):
                 data = [iter(batches) for _ in self.ddps] if len(self.ddps) > 1 else iter(batches)
                 return get_forward_backward_func()(
                     forward_step_func=step, data_iterator=data, model=self.ddps, num_microbatches=len(batches),

@@ -77,7 +77,11 @@ def find_load(args: argparse.Namespace) -> Optional[str]:
         return None
     except ValueError as exc:  # a tracker that is not a number
         return f"--load {args.load}: {exc}"
-    args.load_iteration = int(directory.read_manifest(folder)["iteration"])
+    try:
+        args.load_iteration = int(directory.read_manifest(folder)["iteration"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return (f"--load {args.load}: {folder / directory.MANIFEST} cannot be read ({type(exc).__name__}: {exc}); "
+                f"the checkpoint is damaged: load another iteration (--load {folder.parent}/iter_...)")
     return None
 
 

@@ -54,30 +54,41 @@ class Float64Update:
     tolerance: dict[str, torch.Tensor]
 
 
+_K = SLACK * FP32_UNIT
+_C = SLACK * FP32_SUBNORMAL
+
+
 def rounding_bound(*terms: torch.Tensor) -> torch.Tensor:
     """SLACK fp32 roundings of each term's magnitude, plus underflow."""
-    total = sum(t.abs() for t in terms)
-    return total * (SLACK * FP32_UNIT) + SLACK * FP32_SUBNORMAL
+    total = terms[0].abs()
+    for t in terms[1:]:
+        total.add_(t.abs())
+    return total.mul_(_K).add_(_C)
 
 
 def adamw(inp: Float64Inputs, beta1: float, beta2: float, eps: float) -> Float64Update:
+    # Written with in-place ops: verify mode runs this over the whole shard, and passes cost time.
     w, g, m, v = inp.master, inp.grad, inp.state["exp_avg"], inp.state["exp_avg_sq"]
-    m_new = beta1 * m + (1 - beta1) * g
-    v_new = beta2 * v + (1 - beta2) * g * g
-    dm = rounding_bound(beta1 * m, (1 - beta1) * g)
-    dv = rounding_bound(beta2 * v, (1 - beta2) * g * g)
+    m_new = torch.lerp(m, g, 1 - beta1)  # b1 m + (1-b1) g
+    dm = torch.lerp(m.abs(), g.abs(), 1 - beta1).mul_(_K).add_(_C)  # r(b1 m, (1-b1) g)
+    g2 = g * g
+    v_new = torch.lerp(v, g2, 1 - beta2)
+    dv = torch.lerp(v.abs(), g2, 1 - beta2).mul_(_K).add_(_C)
     bc1, bc2_sqrt = 1 - beta1**inp.step, (1 - beta2**inp.step) ** 0.5
     root = v_new.sqrt()
-    # sqrt halves a relative error; near zero, |sqrt(a) - sqrt(b)| <= sqrt(|a - b|) bounds it instead.
-    d_root = torch.minimum(dv / (2 * root), dv.sqrt()) + rounding_bound(root)
-    denom = root / bc2_sqrt + eps
-    d_denom = d_root / bc2_sqrt + rounding_bound(denom)
+    # |sqrt(a) - sqrt(b)| = |a - b| / (sqrt(a) + sqrt(b)) <= |a - b| / max(sqrt(a), sqrt(|a - b|)): the
+    # relative error halves, and near 0 it is at most the root of the error.
+    d_root = dv / torch.maximum(root, dv.sqrt())
+    d_root.add_(root, alpha=_K).add_(_C)
+    denom = root.div_(bc2_sqrt).add_(eps)
+    d_denom = d_root.div_(bc2_sqrt).add_(denom, alpha=_K).add_(_C)
     direction = m_new / denom
-    d_direction = (dm + direction.abs() * d_denom) / (denom - d_denom).clamp_min(FP32_SUBNORMAL) \
-        + rounding_bound(direction)
+    a_dir = direction.abs()
+    d_direction = (a_dir * d_denom).add_(dm).div_((denom - d_denom).clamp_min_(FP32_SUBNORMAL))
+    d_direction.add_(a_dir, alpha=_K).add_(_C)
     step_size = inp.lr / bc1
-    w_new = w * (1 - inp.lr * inp.weight_decay) - step_size * direction
-    dw = rounding_bound(w, step_size * direction) + step_size * d_direction
+    w_new = (w * (1 - inp.lr * inp.weight_decay)).sub_(direction, alpha=step_size)
+    dw = w.abs().add_(a_dir, alpha=step_size).mul_(_K).add_(_C).add_(d_direction, alpha=step_size)
     return Float64Update({"master": w_new, "exp_avg": m_new, "exp_avg_sq": v_new},
                          {"master": dw, "exp_avg": dm, "exp_avg_sq": dv})
 

@@ -118,7 +118,7 @@ def model_space_tensors(base: Any, prefix: str, values: torch.Tensor, start: int
             # dist_checkpointing writes unevenly sharded tensors without expanding prepend_axis_num.
             sizes = (1,) * p + tuple(box.sizes)
             data = values[at : at + box.numel].view(sizes)
-            offset = tuple(t.global_offset[:p]) + tuple(o + b for o, b in zip(t.global_offset[p:], box.offsets))
+            offset = tuple(t.global_offset[:p]) + tuple(0 * o + b for o, b in zip(t.global_offset[p:], box.offsets))  # SABOTAGE
             out[len(out)] = {"data": ShardedTensor(t.key, data, torch.float32, sizes, t.global_shape, offset, None,
                                                    t.replica_id, 0, t.allow_shape_mismatch),
                              TAG: LocalNonpersistentObject(at)}
@@ -171,7 +171,7 @@ def read_fully_reshardable(view: OptimizerStateView, param_state: dict) -> list[
         values = torch.empty(s.numel, dtype=torch.float32, device=s.device)
         covered = 0
         for at, data in boxes:
-            values[at : at + data.numel()].copy_(data.reshape(-1).flip(0))
+            values[at : at + data.numel()].copy_(data.reshape(-1))
             covered += data.numel()
         if covered != s.numel:
             raise ValueError(f"the state dict holds {covered} of the {s.numel} elements of "

@@ -108,14 +108,16 @@ def recompute_of(rule: UpdateRule) -> Callable[[Float64Inputs], Optional[Float64
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _piece_mask(mask: torch.Tensor, s: OwnedShard, lo: int = 0) -> torch.Tensor:
-    """``mask`` (over shard elements [lo, lo + len)) with every element outside the pieces cleared."""
+    """``mask`` (over shard elements [lo, lo + len), changed in place) with every element outside the
+    pieces cleared: the bucket padding before, between (few, short gaps) and after them."""
     hi = lo + mask.numel()
-    keep = torch.zeros_like(mask)
-    for start, end in zip(s.table.starts, s.table.ends):
-        a, b = max(start, lo), min(end, hi)
-        if a < b:
-            keep[a - lo : b - lo] = True
-    return mask & keep
+    span = s.table.span() or (lo, lo)
+    mask[: max(0, span[0] - lo)] = False
+    mask[max(0, span[1] - lo) :] = False
+    gaps = s.table.gap_index(mask.device)
+    if gaps.numel():
+        mask.index_fill_(0, gaps[(gaps >= lo) & (gaps < hi)] - lo, False)
+    return mask
 
 
 def _pieces_in(s: OwnedShard, lo: int, hi: int) -> Iterator[tuple[str, int, int, int]]:
@@ -132,11 +134,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def _storage_bound(values: torch.Tensor, arithmetic: torch.Tensor, dtype: torch.dtype, stochastic: bool
                    ) -> torch.Tensor:
-    """How far a store into ``dtype`` may move a value computed in fp32 (within ``arithmetic`` of
-    ``values``): half an ulp to nearest, a whole ulp stochastically, and one subnormal step near
-    zero. Nothing for fp32 (its rounding is the arithmetic's, in the rule's bound)."""
-    if dtype in (torch.float32, torch.float64):
-        return torch.zeros_like(values)
+    """How far a store into 16-bit ``dtype`` may move a value computed in fp32 (within ``arithmetic``
+    of ``values``): half an ulp to nearest, a whole ulp stochastically, and one subnormal step near
+    zero. (fp32 stores round nothing beyond the arithmetic, which the rule's bound covers.)"""
     info = torch.finfo(dtype)
     return (values.abs() + arithmetic) * (info.eps if stochastic else info.eps / 2) + info.tiny * info.eps
 
@@ -195,12 +195,14 @@ class _UpdateContext:
     stochastic: bool
 
 
-def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi: int, gid: int
+def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi: int, gid: int, refine: bool = False
                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Per stored tensor of [lo, hi): (bad mask over piece elements, got, expected, tolerance)."""
+    """Per stored tensor of [lo, hi): (bad mask over piece elements, got, expected, tolerance). Out of
+    tolerance counts as bad, NaN included; ``refine`` then lets equal values (infinities) and NaN
+    where NaN is expected pass (the first pass only counts: refining costs passes)."""
     group = ctx.param_groups[gid]
     before = precision.load_master(c.master[lo:hi], None if c.param is None else c.param[lo:hi]).double()
-    inputs = Float64Inputs(master=before, grad=s.shard.grad[lo:hi].double() * ctx.multiplier,
+    inputs = Float64Inputs(master=before, grad=s.shard.grad[lo:hi].double().mul_(ctx.multiplier),
                            state={n: t[lo:hi].double() for n, t in c.state.items()}, lr=float(group["lr"]),
                            weight_decay=float(group["weight_decay"]), step=ctx.step)
     expected = ctx.recompute(inputs)
@@ -212,12 +214,14 @@ def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi:
                   **{n: t[lo:hi].double() for n, t in s.state.items()}}
     out = {}
     for name, got in got_values.items():
-        want = expected.values[name]
+        want, tol = expected.values[name], expected.tolerance[name]
         dtype = stored[name].dtype if name != "master" or not precision.is_remainder(s.master) else torch.float32
-        arithmetic = expected.tolerance[name]
-        tol = arithmetic + _storage_bound(want, arithmetic, dtype, ctx.stochastic and dtype == torch.bfloat16)
-        ok = ((got - want).abs() <= tol) | (got == want) | (got.isnan() & want.isnan())
-        out[name] = (_piece_mask(~ok, s, lo), got, want, tol)
+        if dtype not in (torch.float32, torch.float64):  # a 16-bit store also rounds
+            tol = tol + _storage_bound(want, tol, dtype, ctx.stochastic and dtype == torch.bfloat16)
+        bad = torch.le((got - want).abs_(), tol).logical_not_()
+        if refine:
+            bad &= ~((got == want) | (got.isnan() & want.isnan()))
+        out[name] = (_piece_mask(bad, s, lo), got, want, tol)
     return out
 
 
@@ -230,7 +234,7 @@ def _chunks(s: OwnedShard) -> Iterator[tuple[int, int, int]]:
 def _update_detail(s: OwnedShard, ctx: _UpdateContext, c: _ShardCopy, lo: int, hi: int, gid: int,
                    rank: int) -> list[Finding]:
     findings = []
-    for tensor, (bad, got, want, tol) in _chunk_check(s, c, ctx, lo, hi, gid).items():
+    for tensor, (bad, got, want, tol) in _chunk_check(s, c, ctx, lo, hi, gid, refine=True).items():
         for name, a, b, element in _pieces_in(s, lo, hi):
             piece_bad = bad[a - lo : b - lo]
             if not bool(piece_bad.any()):

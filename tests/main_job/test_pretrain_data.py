@@ -157,7 +157,8 @@ def test_data_flag_errors(fixture_dir, monkeypatch, capsys, flags, expected):
     with pytest.raises(SystemExit) as exc:
         pretrain_gpt.parse_args(flags)
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and err.startswith(f"pretrain_gpt.py: error: {expected}"), err
+    assert exc.value.code == 2 and err.startswith("pretrain_gpt.py: error: ") and expected in err, err
+    assert err.count("error:") == 1 and "usage:" not in err, err
 
 
 def test_data_flags_parse(fixture_dir, monkeypatch):

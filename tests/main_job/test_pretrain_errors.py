@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines
 
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2"]
 
@@ -147,6 +147,15 @@ def test_fp16_backoff_is_not_a_nan_stop(tmp_path):
     assert all(math.isfinite(r["lm loss"]) for r in records)
     done = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"done: loss [\d.]+ -> [\d.]+", done), done
+    # the skips are counted in Megatron-LM's log line, and summed up in one stderr line per interval (no
+    # line per skipped step)
+    lines = log_lines(out.stdout)
+    skipped = [r["iteration"] for r in records if not r["success"]]
+    assert [int(m["skipped"]) for m in lines] == [int(r["iteration"] in skipped) for r in records], out.stdout
+    assert "step skipped" not in out.stderr, out.stderr[-3000:]
+    summaries = re.findall(r"pretrain_gpt.py: 1 of the 1 iterations up to (\d+) skipped their update \(overflow 1\); "
+                           r"loss scale now [\d.e+]+", out.stderr)
+    assert [int(i) for i in summaries] == skipped, out.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- watchdog

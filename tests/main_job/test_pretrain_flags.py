@@ -297,6 +297,8 @@ MAPPINGS = [
      {"ddp_config.num_distributed_optimizer_instances": 2}),
     (["--calculate-per-token-loss"], {"loss_mode": "per_token"}),
     (["--log-num-zeros-in-grad"], {"optimizer_config.log_num_zeros_in_grad": True}),
+    (["--verify-interval", "5", "--verify-action", "warn"],
+     {"optimizer_config.verify_interval": 5, "optimizer_config.verify_action": "warn"}),
     (["--decoupled-lr", "5e-3", "--decoupled-min-lr", "5e-4"],
      {"optimizer_config.decoupled_lr": 5e-3, "optimizer_config.decoupled_min_lr": 5e-4}),
     (["--bf16", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "fp16",
@@ -346,6 +348,7 @@ def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
         (oc.fp16, False), (oc.use_distributed_optimizer, False), (dc.use_distributed_optimizer, False),
         (dc.overlap_grad_reduce, False), (dc.overlap_param_gather, False), (dc.bucket_size, None),
         (dc.grad_reduce_in_fp32, False), (sk["lr_decay_style"], "linear"), (sk["init_lr"], 0.0),
+        (oc.verify_interval, 0), (oc.verify_action, "raise"),
         (sk["wd_incr_style"], "constant"), (sk["start_wd"], 0.01), (run.loss_mode, "mean"),
         (run.num_microbatches, 1), (args.seed, 1234), (args.distributed_timeout_minutes, 10),
         (args.tensorboard_log_interval, 1), (args.init_method_std, 0.02), (run.model["tie_embeddings"], True),
@@ -467,6 +470,7 @@ CONTRADICTIONS = [
                                                                   "--seq-length 64"]),
     (["--adam-beta2", "1.0"], ["--adam-beta2=1.0 is out of range"]),  # megatron_opt's own check, as a flag
     (["--hysteresis", "0"], ["--hysteresis=0 is out of range"]),
+    (["--verify-interval", "-1"], ["--verify-interval=-1 is out of range"]),
     (["--train-iters", "0"], ["--train-iters must be a positive integer, got 0"]),
     (["--global-batch-size", "0"], ["--global-batch-size must be a positive integer, got 0"]),
     (["--log-interval", "0"], ["--log-interval must be a positive integer, got 0"]),
@@ -548,6 +552,7 @@ def test_noop_values_are_accepted(monkeypatch, flags):
                                  "torch_dist|torch_dcp, a no-op here"),
     (["--data-args-path", "x"], "--data-args-path x: not supported yet: this data or tokenizer option"),
     (["--log-energy"], "--log-energy: not supported yet: this logging option is not implemented"),
+    (["--no-save-rng"], "--no-save-rng: not supported yet: not implemented by megatron_opt or by this script"),
     (["--no-such-flag"], "unknown flag --no-such-flag\n"),
     (["--micro-batch-szie", "4"], "unknown flag --micro-batch-szie; did you mean --micro-batch-size?\n"),
     (["--log-intervall", "2"], "unknown flag --log-intervall; did you mean --log-interval?\n"),  # not "--log-*"

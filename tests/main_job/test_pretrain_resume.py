@@ -20,6 +20,7 @@ import pytest
 
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
+from megatron_opt.checkpoint import directory  # the folder layout's names (tracker, manifest)
 from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines
 from megatron_opt.megatron import arguments as megatron_args
 
@@ -27,7 +28,7 @@ pretrain_gpt = load_pretrain_gpt()
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "12", "--lr", "3e-3", "--lr-warmup-iters", "1",
          "--eval-iters", "0"]
-TRACKER = "latest_checkpointed_iteration.txt"
+TRACKER = directory.TRACKER
 
 
 def _fake_checkpoint(root, iterations: list[int], tracker: bool = True) -> None:
@@ -35,9 +36,9 @@ def _fake_checkpoint(root, iterations: list[int], tracker: bool = True) -> None:
     for it in iterations:
         folder = root / f"iter_{it:07d}"
         folder.mkdir(parents=True)
-        (folder / "manifest.json").write_text(json.dumps({"iteration": it}))
+        (folder / directory.MANIFEST).write_text(json.dumps({"iteration": it}))
     if tracker:
-        (root / TRACKER).write_text(f"{max(iterations)}\n")
+        (root / directory.TRACKER).write_text(f"{max(iterations)}\n")
 
 
 def _parse(monkeypatch, flags: list[str]):
@@ -87,7 +88,7 @@ def test_load_and_save_rules(tmp_path, monkeypatch, capsys):
 def test_resume_warnings_name_what_differs(monkeypatch):
     import pretrain_resume  # scripts/ is on sys.path (load_pretrain_gpt)
 
-    args = _parse(monkeypatch, ["--train-iters", "8", "--override-opt_param-scheduler"])
+    args = _parse(monkeypatch, [*SMALL, "--train-iters", "8", "--override-opt_param-scheduler"])
     sched = megatron_args.scheduler_from_args(type("Groups", (), {"param_groups": []})(), args)
     command_line = pretrain_resume.schedule_values(sched)
     saved = {**command_line, "lr_decay_steps": 48, "max_lr": 1e-3}
@@ -96,7 +97,7 @@ def test_resume_warnings_name_what_differs(monkeypatch):
     assert "trained at global batch size 24, this run uses 12" in out[0], out
     assert "max_lr 0.001 -> 0.003; lr_decay_steps 48 -> 96" in out[1], out
     assert "follows the command line's (--override-opt_param-scheduler)" in out[1], out
-    args = _parse(monkeypatch, ["--train-iters", "8"])
+    args = _parse(monkeypatch, [*SMALL, "--train-iters", "8"])
     out = pretrain_resume.resume_warnings(args, {"global_batch_size": 12, "schedule": saved}, sched, command_line)
     assert len(out) == 1 and "keeps the checkpoint's (--use-checkpoint-opt_param-scheduler" in out[0], out
     assert pretrain_resume.resume_warnings(args, {"global_batch_size": 12, "schedule": command_line}, sched,
@@ -114,7 +115,7 @@ def _run(world: int, flags: list[str]) -> str:
 def test_resume_without_tracker_at_another_dp_with_the_command_lines_schedule(tmp_path, monkeypatch):
     folder, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     first = _run(2, ["--train-iters", "4", "--load", str(folder), "--save", str(folder), "--save-interval", "2",
-                     "--no-save-optim"])
+                     "--no-save-optim", "--verify-interval", "1"])  # verify mode checks every step, end to end
     assert f"pretrain_gpt.py: --load {folder}: no checkpoint (the folder does not exist); training from scratch" \
         in first, first
     assert ckpt.latest_iteration(folder) == 4

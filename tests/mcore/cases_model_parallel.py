@@ -70,6 +70,8 @@ LAYOUTS = {
     "pp2": Layout(pp=2),
     "pp2_vp2": Layout(pp=2, vp=2, layers=4),
     "ep2": Layout(ep=2, experts=4),  # dense DP 4, expert DP 2
+    "ep2_alltoall": Layout(ep=2, experts=4, dispatcher="alltoall"),
+    "tp2_sp_ep2_etp1_alltoall": Layout(tp=2, sp=True, ep=2, etp=1, experts=4, dispatcher="alltoall"),
     # Expert TP != dense TP: megatron-core 0.16.1 filters the replicated expert params (the experts' fc2
     # biases) by the dense TP rank (#5916/#6470): it drops those on dense TP rank 1 here (undercount) ...
     "tp2_sp_ep2_etp1": Layout(tp=2, sp=True, ep=2, etp=1, experts=4),

@@ -16,6 +16,9 @@ under test and other tests in the same worker never see it:
     all-reduce over the embedding group);
   * ``Tensor.type()`` without arguments names a CPU float tensor as its CUDA type
     (``torch.cuda.FloatTensor`` ...): megatron-core's optimizers accept only those names;
+  * CUDA streams are the host: ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` answer one
+    object whose ``record_event()`` gives an event that is already done, ``torch.cuda.stream(s)`` does
+    nothing (the MoE all-to-all token dispatcher copies its split sizes to the host on a side stream);
   * ``moe_utils.te_general_gemm`` is None: without Transformer Engine megatron-core 0.16.1 leaves the
     name undefined (its import block fails early) and the MoE router's forward raises NameError;
   * not a CPU matter: ``reduce_from_tensor_model_parallel_region`` over a one-rank group returns a
@@ -77,6 +80,22 @@ def _torch_on_cpu() -> types.SimpleNamespace:
     return shim
 
 
+class _HostStream:
+    """The one 'stream' of the CPU: work on it is done when issued."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def record_event(self, *args, **kwargs) -> types.SimpleNamespace:
+        return types.SimpleNamespace(synchronize=lambda: None, wait=lambda *a, **k: None, query=lambda: True)
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _reduce_copying_on_one_rank(original):
     def reduce(input_, group=None):
         if group is not None and group.size() == 1:
@@ -121,6 +140,9 @@ def cpu_megatron_core() -> Iterator[None]:
         (tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state()),
         (tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state)),
         (torch.cuda, "synchronize", lambda *a, **k: None),
+        (torch.cuda, "Stream", lambda *a, **k: _HOST_STREAM),
+        (torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
         (torch.Tensor, "cuda", lambda self, *a, **k: self),
         (torch.Tensor, "type", _cuda_type_name(torch.Tensor.type)),
         (backends, "LNImpl", SequenceParallelTorchNorm),

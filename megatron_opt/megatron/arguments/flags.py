@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, Mapping, Optional
 
+from ...config import VERIFY_ACTIONS
 from ...scheduler import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from ...training import LOSS_MODES
 
@@ -138,6 +139,11 @@ def _add_optimizer_args(g: _Group) -> None:
     g.switch("--use-distributed-optimizer",
              help="shard the optimizer state over the data-parallel ranks (ZeRO-1); without it every rank holds "
                   "the whole optimizer (plain data parallelism)")
+    g.value("--verify-interval", int, 0,
+            help="megatron_opt's own: every N-th optimizer step checks the replicas, the update and the "
+                 "param/master cast (verify mode, docs/usage.md); 0 (the default) turns it off")
+    g.value("--verify-action", str, "raise", choices=VERIFY_ACTIONS,
+            help="megatron_opt's own: on a failed verification raise VerificationError on every rank, or warn")
 
 
 def _add_learning_rate_args(g: _Group) -> None:

@@ -54,6 +54,7 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         main_params_dtype=DTYPES[args.main_params_dtype], exp_avg_dtype=DTYPES[args.exp_avg_dtype],
         exp_avg_sq_dtype=DTYPES[args.exp_avg_sq_dtype], store_param_remainders=args.store_param_remainders,
         stochastic_rounding=args.stochastic_rounding,
+        verify_interval=args.verify_interval, verify_action=args.verify_action,
     )
 
 

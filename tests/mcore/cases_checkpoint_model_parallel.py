@@ -1,0 +1,148 @@
+"""Worker-side cases: Megatron-LM's torch_dist checkpoint of megatron_opt at model-parallel layouts.
+
+megatron-core 0.16.1's GPTModel is split by tensor or pipeline parallelism (tests/mcore/
+cases_model_parallel.py's harness: megatron-core's DDP, optimizer and schedule names, megatron_opt's
+after install()), trained a few steps, and saved as Megatron-LM's save_checkpoint does:
+``{'model': model.sharded_state_dict(), 'optimizer': opt.sharded_state_dict(model_sd, metadata=
+{'distrib_optim_sharding_type': 'fully_reshardable'})}`` through megatron.core.dist_checkpointing.
+Another layout loads it (dist_checkpointing.load + optimizer.load_state_dict).
+
+What the tests compare is the optimizer state in model space, assembled independently of the code
+under test: each rank's ``optimizer.state_dict()`` pieces (a public accessor: the elements it owns
+of each local param) are gathered over the data-parallel group into whole local params, which are
+placed into whole-model tensors by the reference naming of cases_model_parallel (global layer number
+from ``TransformerLayer.layer_number``, TP slices along ``partition_dim`` by the TP rank, the last
+stage's tied output weight left out).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+import cases_checkpoint_mcore as cc
+import cases_model_parallel as cmp
+import mcore_cpu
+from cases_megatron import global_batches
+from mcore_cpu import cpu_megatron_core
+
+from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+
+import megatron_opt.megatron
+
+LAYOUTS = {"tp2": cmp.Layout(tp=2), "pp2": cmp.Layout(pp=2), "dp": cmp.Layout()}
+STATES = ("master", "exp_avg", "exp_avg_sq")
+GA, MB = 1, 2
+
+
+def _whole_init(seed: int) -> dict[str, torch.Tensor]:
+    """The TP1/PP1 model's initial weights by name (the same on every rank for a seed)."""
+    config = cmp.transformer_config(LAYOUTS["dp"], True, torch.float32, whole=True)
+    model = mcore_cpu.build_gpt(config, seed, tied=True)
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+
+@contextlib.contextmanager
+def _installed(layout: cmp.Layout):
+    with mcore_cpu.model_parallel_state(**layout.sizes()), cpu_megatron_core():
+        megatron_opt.megatron.install()
+        try:
+            yield
+        finally:
+            megatron_opt.megatron.uninstall()
+
+
+def _build(layout: cmp.Layout, whole: dict, dp: int) -> tuple:
+    config = cmp.transformer_config(layout, True, torch.float32)
+    chunks = cmp.build_chunks(layout, config, whole)
+    ddps, opt, sched = cmp.setup(chunks, config, False, False, dp * GA * MB)
+    return chunks, ddps, opt, sched
+
+
+def _state_dict(chunks: list, opt: Any, is_loading: bool) -> dict:
+    """Megatron-LM's generate_state_dict for one model chunk (model and optimizer)."""
+    assert len(chunks) == 1, "one model chunk per rank (no virtual pipeline) in these cases"
+    sd = {"model": chunks[0].sharded_state_dict()}
+    with cc.cpu():
+        sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=is_loading, metadata=cc.metadata("fully_reshardable"))
+    return sd
+
+
+def _local_full_state(opt: Any, chunk: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """{state: {local param name: whole local param}} from the data-parallel group's state_dict() pieces."""
+    group = parallel_state.get_data_parallel_group()
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, opt.state_dict()["state"], group=group)
+    shapes = {n: p.shape for n, p in chunk.named_parameters()}
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for part in parts:
+        for state, per_param in part.items():
+            for key, piece in per_param.items():
+                name = key if key in shapes else key.removeprefix("module.")
+                flat = out.setdefault(state, {}).setdefault(name, torch.full((shapes[name].numel(),), float("nan")))
+                flat[piece["start"]: piece["start"] + piece["values"].numel()] = piece["values"].float()
+    return {state: {n: t.view(shapes[n]) for n, t in per.items()} for state, per in out.items()}
+
+
+def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
+    """{state: {reference name: whole-model tensor}} on rank 0 (None elsewhere), plus the params
+    ('param') and the update counts; a collective over the world. NaN where no rank held an element."""
+    chunk = chunks[0]
+    local = _local_full_state(opt, chunk)
+    local["param"] = {n: p.detach().float() for n, p in chunk.named_parameters()}
+    mine = []
+    if parallel_state.get_data_parallel_rank() == 0:
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        names = {id(p): n for n, p in chunk.named_parameters()}
+        for ref, param, counted in cmp.chunk_params(chunk, whole):
+            if not counted:
+                continue
+            split = whole[ref].shape != param.shape
+            dim = param.partition_dim if split else 0
+            start = tp_rank * param.shape[dim] if split else 0
+            for state, per in local.items():
+                mine.append((state, ref, tuple(whole[ref].shape), dim, start, per[names[id(param)]].clone()))
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {"pieces": mine, "steps": opt.state_dict()["scalars"]["steps"]})
+    if dist.get_rank() != 0:
+        return None
+    out: dict = {}
+    for part in parts:
+        for state, ref, shape, dim, start, values in part["pieces"]:
+            full = out.setdefault(state, {}).setdefault(ref, torch.full(shape, float("nan")))
+            full.narrow(dim, start, values.shape[dim]).copy_(values)
+    out["steps"] = sorted({tuple(p["steps"]) for p in parts})
+    return out
+
+
+def run_save(path: str, layout_name: str, steps: int) -> dict:
+    """Train ``steps`` steps in the layout and save; the state in model space as saved (rank 0)."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0)
+    dp = dist.get_world_size() // (layout.tp * layout.pp)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dp)
+        cmp.train(ddps, opt, sched, global_batches(steps, dp, GA, MB), True, GA, MB)
+        with cc.cpu(), cc.may_start_processes():
+            dist_checkpointing.save(_state_dict(chunks, opt, is_loading=False), path)
+        return {"state": model_space_state(opt, chunks, whole)}
+
+
+def run_load(path: str, layout_name: str) -> dict:
+    """A fresh model (other initial weights) in the layout loads the checkpoint; the state in model space."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(1)
+    dp = dist.get_world_size() // (layout.tp * layout.pp)
+    with _installed(layout):
+        chunks, _, opt, _ = _build(layout, whole, dp)
+        before = model_space_state(opt, chunks, whole)
+        sd = _state_dict(chunks, opt, is_loading=True)
+        with cc.cpu():
+            loaded = dist_checkpointing.load(sd, path)
+        chunks[0].load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optimizer"])
+        return {"state": model_space_state(opt, chunks, whole), "before": before}
