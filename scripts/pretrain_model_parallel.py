@@ -84,6 +84,10 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
                 f"(each expert-parallel rank holds num-experts / EP experts)")
     if args.num_experts is not None and not 0 < args.moe_router_topk <= args.num_experts:
         return f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts {args.num_experts}]"
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and on_cpu:
+        return ("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all dispatcher creates CUDA "
+                "streams); on CPU use --moe-token-dispatcher-type allgather")
     if args.save is not None or args.load is not None:
         return ("--save/--load with megatron-core's GPTModel (model parallelism, --num-experts, --use-mcore-models) "
                 "are not supported yet: megatron_opt.checkpoint saves data-parallel sharding only; leave them out")

@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 from .. import collectives
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from . import directory, model_space, validation, writer
+from . import directory, model_space, param_layout, validation, writer
 from .dcp_errors import dcp_failures
 from .dcp_items import ModelSpaceLoadPlanner
 from .rng import capture_rng, restore_rng
@@ -150,14 +150,18 @@ class Checkpointer:
         if optimizer is not None:
             model_space.check_optimizer(chunks, optimizer)
         it = int(iteration)
+        model_parallel = model_space.is_model_parallel(optimizer)
+        kind, places = _together(lambda: _placements(chunks, None, model_parallel), f"checkpoint save of iteration {it}")
+        params = param_layout.fingerprint_params(chunks, kind, places)  # a collective with megatron-core's keys
         run = {"iteration": it, "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
         rank_state = {"rng": capture_rng(), "extra": dict(rank_extra or {})}
         state = model_space.build_save_state(chunks, optimizer, scheduler, run, rank_state,
-                                             self._staging if async_save else None)
+                                             self._staging if async_save else None, places)
         manifest = {
             "format": model_space.FORMAT, "megatron_opt_version": VERSION, "iteration": it,
             "data_parallel_size": model_space.data_parallel_size(chunks), "world_size": collectives.world_size(None),
-            "fingerprint": model_space.fingerprint(chunks, optimizer), "scheduler": scheduler is not None,
+            "fingerprint": model_space.fingerprint(chunks, optimizer, params), "scheduler": scheduler is not None,
+            "param_keys": kind,
         }
         group = _new_group()
         job = lambda: writer.write_iteration(Path(path), it, state, manifest, keep_latest_k, group)  # noqa: E731
@@ -210,21 +214,30 @@ class Checkpointer:
         opt = optimizer if load_optimizer else None
         rank, world = collectives.rank(None), collectives.world_size(None)
 
-        def check() -> tuple[Path, dict]:
+        model_parallel = model_space.is_model_parallel(optimizer)
+
+        def find() -> tuple[Path, dict, str, dict]:
             folder = directory.resolve(path, iteration)
             try:
                 manifest = directory.read_manifest(folder)
             except Exception as exc:
                 raise CheckpointError(f"{folder / directory.MANIFEST} cannot be read ({type(exc).__name__}: "
                                       f"{exc})") from None
-            validation.check_compatible(manifest, chunks, opt, scheduler, folder)
-            validation.verify_files(folder, manifest, rank, world)
-            return folder, manifest
+            where = folder / directory.MANIFEST
+            return (folder, manifest, *_placements(chunks, manifest.get("param_keys", param_layout.LOCAL),
+                                                   model_parallel, where))
 
-        folder, manifest = _together(check, f"checkpoint load from {path}")
+        folder, manifest, kind, places = _together(find, f"checkpoint load from {path}")
+        params = param_layout.fingerprint_params(chunks, kind, places)  # a collective with megatron-core's keys
+
+        def check() -> None:
+            validation.check_compatible(manifest, chunks, opt, scheduler, folder, params)
+            validation.verify_files(folder, manifest, rank, world)
+
+        _together(check, f"checkpoint load from {path}")
         # Checkpoints before the world size was recorded stored it as data_parallel_size.
         saved_world = manifest.get("world_size", manifest["data_parallel_size"])
-        dest = model_space.build_load_destination(chunks, opt, scheduler, saved_world == world)
+        dest = model_space.build_load_destination(chunks, opt, scheduler, saved_world == world, places)
         group = _new_group()
 
         def read() -> None:
@@ -245,7 +258,7 @@ class Checkpointer:
                 validation.dry_run_scheduler_load(scheduler, dest["scheduler"], folder)
 
         _together(read, f"checkpoint load from {folder}", group)
-        model_space.apply_loaded_state(dest, chunks, opt, scheduler)
+        model_space.apply_loaded_state(dest, chunks, opt, scheduler, places)
         if optimizer is not None and not load_optimizer:
             optimizer.reload_model_params()
         mine = dest.get(model_space.rank_key())
@@ -256,6 +269,19 @@ class Checkpointer:
                           saved_data_parallel_size=manifest["data_parallel_size"], path=str(folder),
                           extra=run.get("extra", {}), rank_extra=mine["extra"] if mine is not None else None,
                           rng_restored=mine is not None and load_rng, saved_world_size=saved_world)
+
+
+def _placements(chunks: Sequence[GradSource], kind: Optional[str], model_parallel: bool,
+                where: Optional[Path] = None) -> tuple[str, dict]:
+    """(param naming, placements by local key): a save's default naming (``kind`` None) or a checkpoint's."""
+    if kind is None:
+        kind = param_layout.default_kind(chunks, model_parallel)
+    try:
+        return kind, param_layout.placements(chunks, kind, model_parallel)
+    except CheckpointError as exc:
+        if where is None:
+            raise
+        raise CheckpointError(f"{where}: {exc}") from None
 
 
 # ----------------------------------------------------------------------------- the module-level functions

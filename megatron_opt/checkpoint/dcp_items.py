@@ -4,11 +4,13 @@ A ``ParamChunk`` is this rank's contiguous part of one param's state tensor, pre
 param's own shape: it answers DCP's checkpointable protocol (``__create_write_items__`` on save,
 ``__create_chunk_list__`` on load) with the rectangular boxes of its range (see boxes.py), so DCP
 writes each rank's boxes and, at any other sharding, reads back exactly the overlaps each rank
-asks for. Two small planners resolve a box's index to the tensor view behind it.
+asks for. With a Placement (param_layout.py) the boxes are placed in the param's global tensor
+(megatron-core's key, shape and offsets) and a non-main replica writes none. Two small planners
+resolve a box's index to the tensor view behind it.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -17,6 +19,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..optimizer.boxes import Box, flat_range_to_boxes
+from .param_layout import Placement
 
 
 class ParamChunk:
@@ -24,15 +27,28 @@ class ParamChunk:
     1-D tensor holding them (read on save, written on load). A rank owning nothing passes an empty
     ``flat``: the key then exists on every rank, as DCP expects, with no data on this one."""
 
-    def __init__(self, flat: torch.Tensor, shape: torch.Size, start: int) -> None:
+    def __init__(self, flat: torch.Tensor, shape: torch.Size, start: int, placement: Optional[Placement] = None) -> None:
         self.flat = flat
-        self.shape = torch.Size(shape)
+        self.shape = torch.Size(shape)  # the local param's
         self.start = start
-        self.boxes: list[Box] = flat_range_to_boxes(self.shape, start, start + flat.numel())
+        self.placement = placement
+        local = flat_range_to_boxes(self.shape, start, start + flat.numel())
+        if placement is None:
+            self.global_shape = self.shape
+            self.boxes: list[Box] = local
+        else:  # in the global tensor: this rank's offsets added
+            self.global_shape = placement.shape
+            self.boxes = [Box(tuple(o + b for o, b in zip(placement.offset, box.offsets)), tuple(box.sizes),
+                              box.flat_start) for box in local]
+
+    @property
+    def written(self) -> bool:
+        """Whether this rank writes its boxes (not a tensor-parallel duplicate or a tied copy)."""
+        return self.placement is None or self.placement.written
 
     # DCP reads the global size of a destination from size() to check it against the checkpoint.
     def size(self) -> torch.Size:
-        return self.shape
+        return self.global_shape
 
     def box_view(self, offsets: torch.Size) -> torch.Tensor:
         for box in self.boxes:
@@ -42,11 +58,13 @@ class ParamChunk:
         raise KeyError(f"no box at offsets {tuple(offsets)} in this rank's chunk")
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        if not self.written:
+            return []
         props = TensorProperties.create_from_tensor(self.flat)
         return [WriteItem(index=MetadataIndex(fqn, torch.Size(b.offsets)), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(b.offsets),
                                                                                  torch.Size(b.sizes)),
-                                                      properties=props, size=self.shape))
+                                                      properties=props, size=self.global_shape))
                 for b in self.boxes]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:

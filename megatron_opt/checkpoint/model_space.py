@@ -8,7 +8,10 @@ Keys of the DCP state dict:
     optim/scalars                 param-group hyperparameters, update counts, loss scaler, rules
     scheduler, run                the LR schedule; iteration, consumed samples, user extras
     rank/<rank>                   each rank's RNG state and its own extras (e.g. its data position)
-With several model chunks (virtual pipeline stages) a param is named ``chunk<c>.<name>``.
+With several model chunks (virtual pipeline stages) a param is named ``chunk<c>.<name>``. Over
+megatron-core modules a param is named, shaped and placed as its ShardedTensor says instead (global
+key, shape and offsets; tensor-parallel duplicates and the tied copy written once: param_layout.py),
+so the checkpoint also reshards across tensor and pipeline parallelism.
 
 The optimizer is read and written only through its declared state view
 (optimizer/state_view.py), the same view its in-memory state_dict() uses.
@@ -26,6 +29,7 @@ from ..errors import CheckpointError
 from ..optimizer.state_view import (OptimizerStateView, first_nonfinite, model_fingerprint, optimizer_fingerprint,
                                     owned_slices, param_entries, state_names, state_names_of)
 from .dcp_items import ParamChunk
+from .param_layout import Placement
 
 FORMAT = "megatron_opt.checkpoint/1"
 
@@ -40,7 +44,8 @@ def as_chunks(model: Union[GradSource, Sequence[GradSource]]) -> list[GradSource
 
 
 def check_optimizer(chunks: Sequence[GradSource], optimizer: Any) -> OptimizerStateView:
-    """``optimizer`` offers the state view, over exactly these model chunks, with data parallelism only."""
+    """``optimizer`` offers the state view, over exactly these model chunks (model parallelism is checked
+    where the params are placed: param_layout.placements)."""
     if not isinstance(optimizer, OptimizerStateView):
         raise TypeError(f"megatron_opt.checkpoint needs a megatron_opt optimizer (DistributedOptimizer or "
                         f"ChainedOptimizer), got {type(optimizer).__name__}.")
@@ -48,10 +53,11 @@ def check_optimizer(chunks: Sequence[GradSource], optimizer: Any) -> OptimizerSt
     if len(mine) != len(chunks) or any(a is not b for a, b in zip(mine, chunks)):
         raise CheckpointError(f"the optimizer was built over {len(mine)} model chunk(s) that are not the {len(chunks)} "
                               f"given to megatron_opt.checkpoint: pass the same chunks, in the same order.")
-    if any(leaf.model_parallel for leaf in optimizer.state_leaves()):
-        raise CheckpointError("megatron_opt.checkpoint describes data-parallel sharding only; an optimizer with a "
-                              "model_parallel_group (tensor/pipeline parallelism) cannot be saved with it yet.")
     return optimizer
+
+
+def is_model_parallel(optimizer: Optional[OptimizerStateView]) -> bool:
+    return optimizer is not None and any(leaf.model_parallel for leaf in optimizer.state_leaves())
 
 
 def data_parallel_size(chunks: Sequence[GradSource]) -> int:
@@ -63,9 +69,11 @@ def data_parallel_size(chunks: Sequence[GradSource]) -> int:
     return collectives.world_size(shard.data_parallel_group if shard.data_parallel_group is not None else shard.group)
 
 
-def fingerprint(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]) -> dict[str, Any]:
-    """What must match for a load: param names, shapes, dtypes; the optimizer's rules and state."""
-    out: dict[str, Any] = {"params": model_fingerprint(chunks)}
+def fingerprint(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
+                params: Optional[list] = None) -> dict[str, Any]:
+    """What must match for a load: param names, shapes, dtypes (``params``: param_layout.fingerprint_params's,
+    else the local ones); the optimizer's rules and state."""
+    out: dict[str, Any] = {"params": params if params is not None else model_fingerprint(chunks)}
     if optimizer is not None:
         out["optimizer"] = optimizer_fingerprint(optimizer)
     return out
@@ -101,8 +109,10 @@ def rank_key() -> str:
 
 
 def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView], scheduler: Optional[Any],
-                     run: dict[str, Any], rank_state: dict[str, Any], staging: Optional[Staging]) -> dict[str, Any]:
-    """The DCP state dict to save. With ``staging`` every tensor is copied (for a save in the background)."""
+                     run: dict[str, Any], rank_state: dict[str, Any], staging: Optional[Staging],
+                     places: dict[str, Placement]) -> dict[str, Any]:
+    """The DCP state dict to save. With ``staging`` every tensor is copied (for a save in the background).
+    ``places``: param_layout.placements by local key."""
     own: Callable[[str, torch.Tensor], torch.Tensor] = \
         (lambda key, t: staging.copy(key, t.detach())) if staging is not None else (lambda key, t: t.detach())
     entries = param_entries(chunks)
@@ -110,7 +120,8 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Optimizer
     sd: dict[str, Any] = {}
     for e in entries:
         view, start = model_pieces.get((e.chunk, e.name), (torch.empty(0, dtype=e.param.dtype), 0))
-        sd[f"model/{e.key}"] = ParamChunk(own(f"model/{e.key}", view), e.param.shape, start)
+        key = f"model/{places[e.key].key}"
+        sd[key] = ParamChunk(own(key, view), e.param.shape, start, places[e.key])
     if optimizer is not None:
         leaves = optimizer.state_leaves()
         owned = {(s.state, s.key): s for s in owned_slices(optimizer)}
@@ -120,9 +131,9 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Optimizer
                     continue
                 # Every rank writes every key (an empty chunk where it owns nothing), as DCP expects.
                 s = owned.get((name, e.key))
-                key = f"optim/{name}/{e.key}"
+                key = f"optim/{name}/{places[e.key].key}"
                 flat = own(key, s.values()) if s is not None else torch.empty(0, device=e.param.device)
-                sd[key] = ParamChunk(flat, e.param.shape, s.start if s is not None else 0)
+                sd[key] = ParamChunk(flat, e.param.shape, s.start if s is not None else 0, places[e.key])
         sd["optim/scalars"] = optimizer.scalar_state()
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
@@ -142,9 +153,11 @@ class _Owned:
     shape: torch.Size
     start: int
     write: Callable[[torch.Tensor], Any]  # stores the values into the live model / optimizer
+    placement: Placement
 
 
-def _owned(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]) -> list[_Owned]:
+def _owned(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
+           places: dict[str, Placement]) -> list[_Owned]:
     """Every piece this rank owns: the model params' pieces without an optimizer (a model-only load),
     else the optimizer state's, since the params are then the rounded masters (what was saved as the
     model too). Masters are read as fp32 values and stored in whatever form the optimizer keeps them
@@ -155,18 +168,19 @@ def _owned(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]
         for e in param_entries(chunks):
             if (e.chunk, e.name) in model_pieces:
                 view, start = model_pieces[(e.chunk, e.name)]
-                out.append(_Owned(f"model/{e.key}", view.dtype, view.numel(), view.device, e.param.shape, start,
-                                  view.copy_))
+                out.append(_Owned(f"model/{places[e.key].key}", view.dtype, view.numel(), view.device, e.param.shape,
+                                  start, view.copy_, places[e.key]))
         return out
-    return [_Owned(f"optim/{s.state}/{s.key}", s.dtype, s.numel, s.device, s.shape, s.start, s.write)
-            for s in owned_slices(optimizer)]
+    return [_Owned(f"optim/{s.state}/{places[s.key].key}", s.dtype, s.numel, s.device, s.shape, s.start, s.write,
+                   places[s.key]) for s in owned_slices(optimizer)]
 
 
 def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
-                           scheduler: Optional[Any], load_rank_state: bool) -> dict[str, Any]:
+                           scheduler: Optional[Any], load_rank_state: bool,
+                           places: dict[str, Placement]) -> dict[str, Any]:
     """Fresh tensors for everything a load reads (one copy of the rank's state): nothing live is
     written until all is read and checked."""
-    owned = _owned(chunks, optimizer)
+    owned = _owned(chunks, optimizer, places)
     # One allocation per dtype/device, carved into views: a single mapping that goes back to the OS
     # whole when the load returns. Piece-sized allocations landed in the malloc heap, interleaved
     # with DCP's per-item read buffers, and the freed copy stayed resident after the load.
@@ -178,7 +192,7 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Opt
     dest: dict[str, Any] = {}
     for o in owned:
         k = (o.dtype, o.device)
-        dest[o.key] = ParamChunk(flat[k][used[k] : used[k] + o.numel], o.shape, o.start)
+        dest[o.key] = ParamChunk(flat[k][used[k] : used[k] + o.numel], o.shape, o.start, o.placement)
         used[k] += o.numel
     if optimizer is not None:
         dest["optim/scalars"] = None
@@ -197,10 +211,10 @@ def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
 
 
 def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
-                       scheduler: Optional[Any]) -> None:
+                       scheduler: Optional[Any], places: dict[str, Placement]) -> None:
     """Write what was read into the live model, optimizer and scheduler (after every check passed)."""
     with torch.no_grad():
-        for o in _owned(chunks, optimizer):
+        for o in _owned(chunks, optimizer, places):
             o.write(dest[o.key].flat)
         if optimizer is None:  # every rank loaded its own part of the params: gather the rest
             for chunk in chunks:
@@ -213,5 +227,5 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
         scheduler.load_state_dict(dest["scheduler"])
 
 
-__all__ = ["FORMAT", "as_chunks", "check_optimizer", "data_parallel_size", "fingerprint", "Staging", "rank_key",
+__all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "data_parallel_size", "fingerprint", "Staging", "rank_key",
            "build_save_state", "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -49,15 +49,16 @@ def verify_files(folder: Path, manifest: dict[str, Any], rank: int = 0, world: i
 
 
 def check_compatible(manifest: dict[str, Any], chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView],
-                     scheduler: Optional[Any], folder: Path) -> None:
-    """The checkpoint's format, model (param names, shapes, dtypes) and optimizer rules fit these."""
+                     scheduler: Optional[Any], folder: Path, params: Optional[list] = None) -> None:
+    """The checkpoint's format, model (param names, shapes, dtypes; ``params``: as
+    param_layout.fingerprint_params gives them) and optimizer rules fit these."""
     where = folder / directory.MANIFEST
     if manifest.get("format") != model_space.FORMAT:
         raise CheckpointError(f"{where}: format {manifest.get('format')!r} is not {model_space.FORMAT!r}")
     saved = manifest["fingerprint"]
     if optimizer is not None and "optimizer" not in saved:
         raise CheckpointError(f"{where}: the checkpoint has no optimizer state; load with load_optimizer=False")
-    problem = compatibility_problem(saved, model_space.fingerprint(chunks, optimizer), "the checkpoint")
+    problem = compatibility_problem(saved, model_space.fingerprint(chunks, optimizer, params), "the checkpoint")
     if problem:
         raise CheckpointError(f"{where}: {problem}")
     if scheduler is not None and not manifest.get("scheduler"):

@@ -14,6 +14,7 @@ does that). Model parallelism adds groups of replicas (TP-replicated params) lat
 """
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -21,10 +22,10 @@ import torch
 from .. import collectives
 from ..distributed.shard_view import LocalShard
 
-_CHUNK = 1 << 20  # elements per checksum chunk: bounds the int64 temporaries
+_CHUNK = 1 << 16  # elements per checksum chunk: bounds the int64 temporaries (512 KiB)
 _PERIOD = 251  # position weights cycle through 1..251: every product and sum below stays inside int64
 _MASK62, _MASK54 = (1 << 62) - 1, (1 << 54) - 1
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}  # 8-byte values as two words
+_INT_OF_SIZE = MappingProxyType({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32})  # 8 bytes: two words
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class Checksums:
 
     def of_param(self, param: torch.Tensor) -> torch.Tensor:
         """[sum of the words, position-weighted sum], each below 2^54 (int64 on the param's device).
-        Words are below 2^31 and chunks 2^20 long, so no sum overflows before it is masked."""
+        Words are below 2^31 and chunks at most 2^20 long, so no sum overflows before it is masked."""
         words = _words(param)
         total = torch.zeros(2, dtype=torch.int64, device=words.device)
         for k, start in enumerate(range(0, words.numel(), _CHUNK)):

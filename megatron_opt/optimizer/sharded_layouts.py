@@ -118,7 +118,7 @@ def model_space_tensors(base: Any, prefix: str, values: torch.Tensor, start: int
             # dist_checkpointing writes unevenly sharded tensors without expanding prepend_axis_num.
             sizes = (1,) * p + tuple(box.sizes)
             data = values[at : at + box.numel].view(sizes)
-            offset = tuple(t.global_offset[:p]) + tuple(0 * o + b for o, b in zip(t.global_offset[p:], box.offsets))  # SABOTAGE
+            offset = tuple(t.global_offset[:p]) + tuple(o + b for o, b in zip(t.global_offset[p:], box.offsets))
             out[len(out)] = {"data": ShardedTensor(t.key, data, torch.float32, sizes, t.global_shape, offset, None,
                                                    t.replica_id, 0, t.allow_shape_mismatch),
                              TAG: LocalNonpersistentObject(at)}

@@ -67,7 +67,7 @@ LLAMA_DATA = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size"
               "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1"]
 LLAMA_EVAL = ["--eval-iters", "2", "--eval-interval", "5"]
 LLAMA_UNSUPPORTED = [
-    ["--use-mcore-models"], ["--group-query-attention"], ["--num-query-groups", "8"], ["--kv-channels", "128"],
+    ["--group-query-attention"], ["--num-query-groups", "8"], ["--kv-channels", "128"],
     ["--position-embedding-type", "rope"], ["--rotary-base", "1000000"], ["--swiglu"],
     ["--normalization", "RMSNorm"], ["--attention-backend", "fused"], ["--apply-layernorm-1p"],
     ["--disable-bias-linear"],
@@ -518,7 +518,6 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
                  "(supported: --data-path --split --mock-data",
                  "  --reset-position-ids: not supported yet: this data or tokenizer option",
                  "  --tiktoken-pattern v2: not supported yet: this data or tokenizer option",
-                 "  --use-mcore-models: not supported yet: the model is this script's own GPT",
                  "  --transformer-impl local: not supported yet: the model is this script's own GPT",
                  "  --swiglu: not supported yet: the model is this script's own GPT", "  --num-query-groups 8: not supported yet: the model",
                  "  --hidden-dropout 0.1: not supported yet: the model", "  --attention-backend fused: not supported yet: the model",

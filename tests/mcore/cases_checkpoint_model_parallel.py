@@ -5,7 +5,8 @@ cases_model_parallel.py's harness: megatron-core's DDP, optimizer and schedule n
 after install()), trained a few steps, and saved as Megatron-LM's save_checkpoint does:
 ``{'model': model.sharded_state_dict(), 'optimizer': opt.sharded_state_dict(model_sd, metadata=
 {'distrib_optim_sharding_type': 'fully_reshardable'})}`` through megatron.core.dist_checkpointing.
-Another layout loads it (dist_checkpointing.load + optimizer.load_state_dict).
+Another layout loads it (dist_checkpointing.load + optimizer.load_state_dict). The same state is also
+saved and loaded with megatron_opt.checkpoint (global keys from the modules' sharded_state_dict()).
 
 What the tests compare is the optimizer state in model space, assembled independently of the code
 under test: each rank's ``optimizer.state_dict()`` pieces (a public accessor: the elements it owns
@@ -30,6 +31,8 @@ from mcore_cpu import cpu_megatron_core
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 
+import megatron_opt.checkpoint
+import megatron_opt.errors
 import megatron_opt.megatron
 
 LAYOUTS = {"tp2": cmp.Layout(tp=2), "pp2": cmp.Layout(pp=2), "dp": cmp.Layout()}
@@ -117,8 +120,12 @@ def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
     return out
 
 
+FORMATS = ("torch_dist", "megatron_opt")  # Megatron-LM's dist_checkpointing save; megatron_opt.checkpoint
+
+
 def run_save(path: str, layout_name: str, steps: int) -> dict:
-    """Train ``steps`` steps in the layout and save; the state in model space as saved (rank 0)."""
+    """Train ``steps`` steps in the layout and save in both formats (``path``/<format>); the state in
+    model space as saved (rank 0)."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
     whole = _whole_init(0)
@@ -127,22 +134,52 @@ def run_save(path: str, layout_name: str, steps: int) -> dict:
         chunks, ddps, opt, sched = _build(layout, whole, dp)
         cmp.train(ddps, opt, sched, global_batches(steps, dp, GA, MB), True, GA, MB)
         with cc.cpu(), cc.may_start_processes():
-            dist_checkpointing.save(_state_dict(chunks, opt, is_loading=False), path)
+            dist_checkpointing.save(_state_dict(chunks, opt, is_loading=False), cc.tmp_folder(path, "torch_dist"))
+        megatron_opt.checkpoint.save(f"{path}/megatron_opt", ddps, opt, sched, iteration=steps)
         return {"state": model_space_state(opt, chunks, whole)}
 
 
-def run_load(path: str, layout_name: str) -> dict:
-    """A fresh model (other initial weights) in the layout loads the checkpoint; the state in model space."""
+def _load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any) -> dict:
+    """Megatron-LM's load_checkpoint (torch_dist) or megatron_opt.checkpoint.load; what the load reports."""
+    if fmt == "megatron_opt":
+        result = megatron_opt.checkpoint.load(f"{path}/megatron_opt", ddps, opt, sched)
+        return {"saved_data_parallel_size": result.saved_data_parallel_size, "iteration": result.iteration}
+    with cc.cpu():
+        loaded = dist_checkpointing.load(_state_dict(chunks, opt, is_loading=True), f"{path}/torch_dist")
+    chunks[0].load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    return {}
+
+
+def run_load(path: str, layout_name: str, formats: tuple = FORMATS) -> dict:
+    """Per format: a fresh model (other initial weights) in the layout loads the checkpoint; its state
+    in model space before and after (rank 0) and what the load reported."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
     whole = _whole_init(1)
     dp = dist.get_world_size() // (layout.tp * layout.pp)
+    out = {}
     with _installed(layout):
-        chunks, _, opt, _ = _build(layout, whole, dp)
-        before = model_space_state(opt, chunks, whole)
-        sd = _state_dict(chunks, opt, is_loading=True)
-        with cc.cpu():
-            loaded = dist_checkpointing.load(sd, path)
-        chunks[0].load_state_dict(loaded["model"])
-        opt.load_state_dict(loaded["optimizer"])
-        return {"state": model_space_state(opt, chunks, whole), "before": before}
+        for fmt in formats:
+            chunks, ddps, opt, sched = _build(layout, whole, dp)
+            before = model_space_state(opt, chunks, whole)
+            report = _load(path, fmt, chunks, ddps, opt, sched)
+            out[fmt] = {"state": model_space_state(opt, chunks, whole), "before": before, **report}
+    return out
+
+
+def run_save_refused(path: str) -> str:
+    """megatron_opt.checkpoint.save of a TP2 optimizer over modules without sharded_state_dict(): the error
+    (every rank's, the same)."""
+    layout = LAYOUTS["tp2"]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // 2)
+        for ddp in ddps:  # the same modules, but their sharded_state_dict() hidden: "not megatron-core's"
+            ddp.module.sharded_state_dict = None
+        try:
+            megatron_opt.checkpoint.save(f"{path}/refused", ddps, opt, sched, iteration=1)
+        except megatron_opt.errors.CheckpointError as exc:
+            return str(exc)
+    return ""

@@ -51,7 +51,7 @@ class Layout:
     etp: Optional[int] = None  # expert tensor parallel size (None: the dense TP size)
     experts: Optional[int] = None
     layers: int = 2
-    dispatcher: str = "allgather"
+    dispatcher: str = "alltoall"  # megatron-core's MoE token dispatcher (gloo has the uneven all-to-all it needs)
 
     @property
     def bias(self) -> bool:
@@ -70,13 +70,13 @@ LAYOUTS = {
     "pp2": Layout(pp=2),
     "pp2_vp2": Layout(pp=2, vp=2, layers=4),
     "ep2": Layout(ep=2, experts=4),  # dense DP 4, expert DP 2
-    "ep2_alltoall": Layout(ep=2, experts=4, dispatcher="alltoall"),
-    "tp2_sp_ep2_etp1_alltoall": Layout(tp=2, sp=True, ep=2, etp=1, experts=4, dispatcher="alltoall"),
-    # Expert TP != dense TP: megatron-core 0.16.1 filters the replicated expert params (the experts' fc2
-    # biases) by the dense TP rank (#5916/#6470): it drops those on dense TP rank 1 here (undercount) ...
+    "ep2_allgather": Layout(ep=2, experts=4, dispatcher="allgather"),
+    # Expert TP 1 under dense TP 2: megatron-core 0.16.1 filters the replicated expert params (the experts'
+    # fc2 biases) by the dense TP rank (#5916/#6470) and drops those held on dense TP rank 1.
     "tp2_sp_ep2_etp1": Layout(tp=2, sp=True, ep=2, etp=1, experts=4),
-    # ... and counts them on both expert TP ranks here (overcount).
-    "ep2_etp2": Layout(ep=2, etp=2, experts=4),
+    # Expert TP 2 under dense TP 1, expert DP 1 (no expert biases: megatron-core allows them only at expert
+    # TP 1). The all-to-all dispatcher would all-gather unequal token counts over expert TP: gloo refuses.
+    "ep2_etp2": Layout(ep=2, etp=2, experts=4, dispatcher="allgather"),
 }
 
 # What each sabotage switches off in megatron-core's finalize_model_grads (to prove the checks can fail).
@@ -94,8 +94,8 @@ def transformer_config(layout: Layout, per_token: bool, dtype: torch.dtype, whol
         tensor_model_parallel_size=layout.tp if split else 1, sequence_parallel=layout.sp and split,
         pipeline_model_parallel_size=layout.pp if split else 1,
         virtual_pipeline_model_parallel_size=layout.vp if split else None,
-        add_bias_linear=layout.bias, num_moe_experts=layout.experts, moe_ffn_hidden_size=32 if layout.experts else None, moe_router_topk=2,
-        moe_router_load_balancing_type="none", moe_token_dispatcher_type=layout.dispatcher,
+        add_bias_linear=layout.bias, num_moe_experts=layout.experts, moe_ffn_hidden_size=32 if layout.experts else None,
+        moe_router_topk=2, moe_router_load_balancing_type="none", moe_token_dispatcher_type=layout.dispatcher,
         expert_model_parallel_size=layout.ep if split else 1,
         expert_tensor_parallel_size=layout.etp if split else None)
 

@@ -18,7 +18,9 @@ under test and other tests in the same worker never see it:
     (``torch.cuda.FloatTensor`` ...): megatron-core's optimizers accept only those names;
   * CUDA streams are the host: ``torch.cuda.Stream()`` and ``torch.cuda.current_stream()`` answer one
     object whose ``record_event()`` gives an event that is already done, ``torch.cuda.stream(s)`` does
-    nothing (the MoE all-to-all token dispatcher copies its split sizes to the host on a side stream);
+    nothing (the MoE all-to-all token dispatcher copies its split sizes to the host on a side stream),
+    and that dispatcher's ``maybe_move_tensor_to_cpu(as_numpy=True)`` turns a tensor already on the
+    CPU into numpy too (it converts only CUDA tensors, and all_to_all_single refuses tensor splits);
   * ``moe_utils.te_general_gemm`` is None: without Transformer Engine megatron-core 0.16.1 leaves the
     name undefined (its import block fails early) and the MoE router's forward raises NameError;
   * not a CPU matter: ``reduce_from_tensor_model_parallel_region`` over a one-rank group returns a
@@ -49,6 +51,7 @@ import megatron.core.models.backends as backends  # noqa: E402
 import megatron.core.tensor_parallel.layers as tp_layers  # noqa: E402
 import megatron.core.tensor_parallel.random as tp_random  # noqa: E402
 import megatron.core.transformer.moe.moe_utils as moe_utils  # noqa: E402
+import megatron.core.transformer.moe.token_dispatcher as token_dispatcher  # noqa: E402
 import megatron.core.transformer.transformer_block as transformer_block  # noqa: E402
 from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
@@ -78,6 +81,12 @@ def _torch_on_cpu() -> types.SimpleNamespace:
     shim = types.SimpleNamespace(**{k: getattr(torch, k) for k in dir(torch) if not k.startswith("__")})
     shim.zeros, shim.tensor = on_cpu(torch.zeros), on_cpu(torch.tensor)
     return shim
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 class _HostStream:
@@ -143,6 +152,7 @@ def cpu_megatron_core() -> Iterator[None]:
         (torch.cuda, "Stream", lambda *a, **k: _HOST_STREAM),
         (torch.cuda, "current_stream", lambda *a, **k: _HOST_STREAM),
         (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _to_host),
         (torch.Tensor, "cuda", lambda self, *a, **k: self),
         (torch.Tensor, "type", _cuda_type_name(torch.Tensor.type)),
         (backends, "LNImpl", SequenceParallelTorchNorm),

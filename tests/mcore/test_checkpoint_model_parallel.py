@@ -1,7 +1,8 @@
-"""Megatron-LM's torch_dist checkpoint of megatron_opt at model-parallel layouts: megatron-core's GPTModel at
-TP2xDP2 and PP2xDP2 saves ``optimizer.sharded_state_dict(..., 'fully_reshardable')`` with
-megatron.core.dist_checkpointing; another layout (another TP/PP and DP size) loads it, and every
-param's fp32 master and Adam moments, assembled whole in model space, are bitwise the saved ones."""
+"""Checkpoints of megatron_opt at model-parallel layouts, on megatron-core's GPTModel at TP2xDP2 and PP2xDP2:
+Megatron-LM's torch_dist checkpoint (``optimizer.sharded_state_dict(..., 'fully_reshardable')`` with
+megatron.core.dist_checkpointing) and megatron_opt.checkpoint, each loaded at another layout (another
+TP/PP size, another DP size). Every param's fp32 master and Adam moments (and the param), assembled
+whole in model space, are bitwise the saved ones after the load."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ import cases_checkpoint_mcore as cc
 import cases_checkpoint_model_parallel as ccmp
 
 STEPS = 2
+PROBE = "decoder.layers.1.mlp.linear_fc1.weight"  # a TP-split param of the last layer (the second PP stage)
 
 
 def assert_bitwise_same(saved: dict, loaded: dict, before: dict) -> None:
@@ -21,17 +23,33 @@ def assert_bitwise_same(saved: dict, loaded: dict, before: dict) -> None:
             assert not tensor.isnan().any(), f"{state} of {name}: some elements were saved by no rank"
             assert torch.equal(tensor, loaded[state][name]), f"{state} of {name} differs after the load"
     # The loading run started elsewhere (other weights, no moments): the load is what made them equal.
-    assert not torch.equal(before["master"]["decoder.layers.1.mlp.linear_fc1.weight"],
-                           saved["master"]["decoder.layers.1.mlp.linear_fc1.weight"])
+    assert not torch.equal(before["master"][PROBE], saved["master"][PROBE])
     assert saved["steps"] == loaded["steps"] == [(STEPS,)]
 
 
-@pytest.mark.parametrize("save, save_world, load, load_world", [
-    ("tp2", 4, "dp", 2),  # TP2xDP2 -> TP1xDP2
-    ("pp2", 4, "dp", 4),  # PP2xDP2 -> PP1xDP4
-])
-def test_model_parallel_torch_dist_checkpoint_reshards_bitwise(pools, tmp_path, save, save_world, load, load_world):
-    path = cc.tmp_folder(str(tmp_path), f"{save}_to_{load}")
+# (saved layout, its world, [(loading layout, its world, formats)]): one save, several loads.
+CASES = {
+    "tp2": (4, [("dp", 2, ccmp.FORMATS),  # TP2xDP2 -> TP1xDP2: a TP reshard, both formats
+                ("tp2", 2, ("megatron_opt",))]),  # -> TP2xDP1: another DP size
+    "pp2": (4, [("dp", 4, ccmp.FORMATS),  # PP2xDP2 -> PP1xDP4
+                ("pp2", 2, ("megatron_opt",))]),  # -> PP2xDP1
+}
+
+
+@pytest.mark.parametrize("save", sorted(CASES))
+def test_model_parallel_checkpoints_reshard_bitwise(pools, tmp_path, save):
+    save_world, loads = CASES[save]
+    path = str(tmp_path)
     saved = pools(save_world).run(ccmp.run_save, path, save, STEPS)[0]["state"]
-    result = pools(load_world).run(ccmp.run_load, path, load)[0]
-    assert_bitwise_same(saved, result["state"], result["before"])
+    for layout, world, formats in loads:
+        results = pools(world).run(ccmp.run_load, path, layout, formats)
+        for fmt in formats:
+            assert_bitwise_same(saved, results[0][fmt]["state"], results[0][fmt]["before"])
+            if fmt == "megatron_opt":  # the data-parallel size at save, not the world size
+                assert {r[fmt]["saved_data_parallel_size"] for r in results} == {save_world // 2}
+
+
+def test_model_parallel_save_over_modules_without_sharded_state_dict_is_refused(pools, tmp_path):
+    messages = pools(4).run(ccmp.run_save_refused, str(tmp_path))
+    assert len(set(messages)) == 1 and "sharded_state_dict" in messages[0] and "fully_reshardable" in messages[0], \
+        messages

@@ -39,7 +39,7 @@ CASES = [
     ("ep2_etp2", True, True, False, 4),
     ("tp2_sp", False, True, False, 2),
     ("pp2_vp2", True, False, False, 2),
-    ("ep2", True, False, False, 2),
+    ("ep2_allgather", True, False, False, 2),
 ]
 
 

@@ -87,20 +87,20 @@ def test_defaults_and_aliases_must_name_flags():
 
 
 def test_unsupported_flags_in_one_message(capsys):
-    err = _error(capsys, [*MODEL, "--train-iters", "4", "--fp8-format", "hybrid", "--tensor-model-parallel-size",
-                          "2", "--data-path", "x", "--sequence-parallel", "--no-such-flag"],
+    err = _error(capsys, [*MODEL, "--train-iters", "4", "--fp8-format", "hybrid", "--tp-comm-overlap",
+                          "--data-path", "x", "--sequence-parallel", "--no-such-flag"],
                  unsupported_reasons={"data": "bring your own data"})
     assert err.count("error:") == 1 and "4 flags refused by" in err, err
     assert "usage:" not in err, err
     for line in ("  --fp8-format hybrid: not supported yet: fp8/fp4 training is not implemented",
-                 "  --tensor-model-parallel-size 2: not supported yet: only data parallelism",
+                 "  --tp-comm-overlap: not supported yet: this model-parallel option is not implemented",
                  "  --data-path x: not supported yet: bring your own data", "  unknown flag --no-such-flag\n"):
         assert line in err, (line, err)
-    assert "--sequence-parallel:" not in err  # a no-op without tensor parallelism
+    assert "--sequence-parallel:" not in err  # a flag of megatron_opt's (off at tensor-parallel size 1)
 
 
 def test_noop_values_and_reasons_of_the_caller():
-    assert megatron_args.unsupported_flags_message(["--tensor-model-parallel-size", "1", "--dropout", "0"], "p",
+    assert megatron_args.unsupported_flags_message(["--ckpt-format", "torch_dist", "--dropout", "0"], "p",
                                                    noop_values={"--dropout": "0"}) is None
     with pytest.raises(ValueError, match="not in UNSUPPORTED_FLAGS"):
         megatron_args.unsupported_flags_message([], "p", reasons={"no_such_feature": "why"})
