@@ -20,7 +20,7 @@ megatron-core is imported inside the functions: the package imports without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 

@@ -242,7 +242,7 @@ class DistributedDataParallel(torch.nn.Module):
                 shard_count,
                 bucket_size=bucket_size,
                 pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw,
-                own_bucket=[False for p in params],
+                own_bucket=[getattr(p, "shared_embedding", False) for p in params],
             )
             buffers.append(
                 ParamAndGradBuffer(

@@ -36,6 +36,7 @@ copy is made by building in fp32 and calling ``.to(torch.float64)``.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import types
 import warnings
 from typing import Iterator
@@ -44,8 +45,6 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
-
-import importlib  # noqa: E402
 
 import megatron.core.models.backends as backends  # noqa: E402
 import megatron.core.tensor_parallel.layers as tp_layers  # noqa: E402

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
-import cases_checkpoint_mcore as cc
 import cases_checkpoint_model_parallel as ccmp
 
 STEPS = 2

@@ -17,10 +17,10 @@ import cases_model_parallel as cmp
 
 OURS, CORE = "megatron_opt", "megatron_core"
 # Tolerances, calibrated by megatron-core's own optimizer on this harness (which meets them: asserted below).
-LOSS_ATOL = {False: 1e-6, True: 2e-3}  # by bf16; fp32: megatron-core's max is ~3e-7
-NORM_RTOL = {False: 1e-6, True: 5e-3}  # fp32: megatron-core's max is ~8e-8
-FP32_UPDATE_FACTOR = 2.0  # fp32 update error within this many times megatron-core's (or plain fp32 torch's)
-BF16_UPDATE_FACTOR = 1.5  # bf16 model params: within this many times megatron-core's figure
+LOSS_ATOL = {False: 1e-6, True: 1e-3}  # keyed by bf16; megatron-core's max: fp32 3.5e-7, bf16 1.0e-4
+NORM_RTOL = {False: 1e-6, True: 5e-3}  # megatron-core's max: fp32 7e-8, bf16 1.3e-3
+FP32_UPDATE_FACTOR = 2.0  # fp32 update error within this many times megatron-core's (or plain fp32 torch's, ~1.2e-6)
+BF16_UPDATE_FACTOR = 1.5  # bf16 model params against float64: within this many times megatron-core's (~4.7e-2)
 # megatron-core 0.16.1 filters replicated expert params (the experts' fc2 biases) by the *dense* TP rank
 # (Megatron-LM #5916/#6470): its grad norm misses the reference here by ~3.5%; ours must not.
 CORE_EXPERT_NORM_BUG = {"tp2_sp_ep2_etp1"}
