@@ -275,8 +275,8 @@ class TensorboardLog:
         from torch.utils.tensorboard import SummaryWriter  # checked by parse_args
 
         self.args = args
-        self.dropped = drop_events_after(args.tensorboard_dir, start_iteration, consumed_samples) \
-            if os.path.isdir(args.tensorboard_dir) else 0
+        resumed = start_iteration > 0 and os.path.isdir(args.tensorboard_dir)  # a fresh run deletes nothing
+        self.dropped = drop_events_after(args.tensorboard_dir, start_iteration, consumed_samples) if resumed else 0
         self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=1000)
         if start_iteration == 0:
             for key, value in sorted(vars(args).items()):

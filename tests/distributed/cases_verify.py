@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist

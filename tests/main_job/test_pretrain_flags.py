@@ -1,9 +1,10 @@
 """scripts/pretrain_gpt.py speaks Megatron-LM's flags: a Megatron-LM launch script's optimizer, schedule,
 precision, batch, logging and checkpoint block runs with only the entry point changed.
 
-* The blocks of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh and
-  examples/gpt3/train_gpt3_175b_distributed.sh, scaled down to a tiny model, run a few steps on CPU at
-  DP=2 (torchrun), and the per-step values they log follow the schedule the flags describe.
+* The blocks of Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh (its mock-data and evaluation
+  blocks included) and examples/gpt3/train_gpt3_175b_distributed.sh, scaled down to a tiny model, run a
+  few steps on CPU at DP=2 (torchrun), log Megatron-LM's log and validation lines, and the per-step
+  values they log follow the schedule the flags describe.
 * Each flag maps to the right field of megatron_opt's configs (megatron_opt.megatron.arguments) or of
   the script's model, with Megatron-LM's defaults; the old flags are aliases.
 * The flags the script does not implement are named together in one error (exit code 2) before any
