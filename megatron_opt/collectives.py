@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 
 class _Done:
-    """Handle of a collective that needed no communication (world size 1)."""
+    """Handle of a collective that needed no communication (world size 1), or one already waited for."""
 
     def wait(self) -> None:
         return None
@@ -46,6 +46,9 @@ class _FallbackReduceScatter:
         src = self._full[self._offset : self._offset + self._shard.numel()]
         if src.data_ptr() != self._shard.data_ptr():
             self._shard.copy_(src)
+
+
+DONE = _Done()  # stateless: one shared instance
 
 
 def world_size(group: ProcessGroup) -> int:

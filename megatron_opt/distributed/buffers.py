@@ -103,7 +103,7 @@ class Bucket:
                 return False
         # The all-reduce must read the reduce-scatter's result: wait for it first (gloo: the host
         # waits; CUDA: the current stream waits, and the all-reduce is issued behind it).
-        self.grad_handle.wait()
+        self._wait_grad_handle()
         target, self._inter_target = self._inter_target, None
         self.inter_handle = collectives.all_reduce(target, self.buffer.inter_group, async_op=True)
         return True
@@ -111,10 +111,19 @@ class Bucket:
     def finish_grad_sync(self) -> None:
         self.start_grad_sync(async_op=False)
         if self.buffer.inter_group is None:
-            self.grad_handle.wait()
+            self._wait_grad_handle()
             return
         self.start_inter_sync(block=True)
-        self.inter_handle.wait()
+        handle, self.inter_handle = self.inter_handle, collectives.DONE
+        handle.wait()
+
+    def _wait_grad_handle(self) -> None:
+        # Wait once, then forget the handle: on gloo a second wait() of an async reduce-scatter copies
+        # its result into the shard again, undoing what was done to main_grad in between (megatron-core's
+        # finalize_model_grads sums sequence-parallel grads over TP and all-reduces the tied embedding in
+        # place, and the optimizer then calls finish_grad_sync once more).
+        handle, self.grad_handle = self.grad_handle, collectives.DONE
+        handle.wait()
 
     def start_param_sync(self, async_op: bool) -> None:
         if self.buffer.shard_count == 1:

@@ -160,3 +160,21 @@ def run_optimizer_pg_collection_must_match_the_wrapper() -> str:
     except mo.InvalidConfigError as exc:
         return str(exc)
     return ""
+
+
+def run_edit_after_grad_sync_survives(overlap: bool, instances: int) -> bool:
+    """finalize_model_grads edits main_grad in place after finish_grad_sync() (TP sum of
+    sequence-parallel grads, the tied-embedding all-reduce); the optimizer's own later
+    finish_grad_sync() must keep that edit (a second wait() of a gloo reduce-scatter re-copies it)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4, bias=False)
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=overlap, num_distributed_optimizer_instances=instances))
+    ddp.zero_grad_buffer()
+    model(torch.ones(2, 4) * (dist.get_rank() + 1)).sum().backward()
+    ddp.finish_grad_sync()
+    shard = ddp.local_shards()[0]
+    shard.grad.add_(1000.0)
+    edited = shard.grad.clone()
+    ddp.finish_grad_sync()
+    return torch.equal(edited, shard.grad)

@@ -3,6 +3,7 @@ replicated tensor-parallel params counted once, and a NaN on one peer stopping e
 import pytest
 
 from cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
+                                         run_edit_after_grad_sync_survives,
                                          run_optimizer_pg_collection_must_match_the_wrapper,
                                          run_replicated_tensor_parallel)
 
@@ -46,3 +47,8 @@ def test_expert_parallel_needs_its_own_data_parallel_group(pools):
 def test_optimizer_pg_collection_must_match_the_wrapper(pools):
     for message in pools(4).run(run_optimizer_pg_collection_must_match_the_wrapper):
         assert "pg_collection.tp has 1 rank(s) but the model chunks were wrapped with a tensor-parallel size of 2" in message
+
+
+@pytest.mark.parametrize("overlap,instances", [(True, 1), (False, 1), (True, 2)])
+def test_an_edit_of_the_reduced_gradient_survives_a_second_grad_sync(pools, overlap, instances):
+    assert all(pools(4).run(run_edit_after_grad_sync_survives, overlap, instances))

@@ -57,10 +57,11 @@ def _assert_same_run(records: list[dict], baseline: list[dict]) -> None:
 
 def test_tp2_sp_pp2_dp2_matches_tp1(tmp_path, tp1):
     """docs/pretrain.md's command: tensor (sequence) parallel, interleaved pipeline with two virtual
-    stages per rank (the plain 1F1B schedule, without --num-layers-per-virtual-pipeline-stage, matches
-    too; one 8-rank run keeps the test short)."""
+    stages per rank and the gradient reduction overlapped with the backward (the plain 1F1B schedule,
+    without --num-layers-per-virtual-pipeline-stage, matches too; one 8-rank run keeps the test short)."""
     stdout, records = _pretrain(tmp_path, "tp2pp2", 8, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1")
+                                "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+                                "--overlap-grad-reduce")
     assert "TP=2 (sequence parallel) x PP=2 (VP=2) x CP=1 x DP=2, world 8" in stdout, stdout
     _assert_same_run(records, tp1)
 
