@@ -322,7 +322,13 @@ class DistributedDataParallel(torch.nn.Module):
             grad_prescale=buf.grad_prescale,
             data_parallel_group=buf.data_parallel_group, inter_instance_group=buf.inter_group,
             instance_count=instance_count, instance_rank=instance_rank,
+            tensor_parallel_group=self._tensor_parallel_group(buf.is_expert_parallel),
         )
+
+    def _tensor_parallel_group(self, expert: bool) -> Optional[torch.distributed.ProcessGroup]:
+        groups = self.model_parallel_groups
+        group = groups.expert_tensor if expert and groups.expert_tensor is not None else groups.tensor
+        return group if group is not None and collectives.world_size(group) > 1 else None
 
     @property
     def step_id(self) -> int:

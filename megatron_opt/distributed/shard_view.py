@@ -58,6 +58,10 @@ class LocalShard:
     inter_instance_group: Optional[torch.distributed.ProcessGroup] = None  # None with one instance
     instance_count: int = 1  # k: optimizer instances holding a copy of this shard
     instance_rank: int = 0  # this rank's instance (its rank in inter_instance_group)
+    # Tensor parallelism: the ranks holding copies of this bucket's replicated params (those without
+    # ``tensor_model_parallel``), which must stay bitwise equal; the expert TP group for expert
+    # buckets. None when there is one TP rank.
+    tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None
 
     @property
     def numel(self) -> int:

@@ -9,8 +9,13 @@ copy of its owner, the rank whose optimizer updated it (with several owners, uns
 partial sharding: the value most of its owners hold, ties to the lowest rank). A rank whose copy
 differs from that is the rank at fault.
 
+With tensor parallelism the same is done a second time over each shard's tensor-parallel group for
+the params replicated across it (those without ``tensor_model_parallel``: LayerNorms, row-parallel
+biases), whose copies must stay bitwise equal too. Every TP rank owns the same ranges of its copy, so
+there the reference is the copy most TP ranks hold (ties: the lowest TP rank).
+
 A checksum is not a hash: differences that cancel in both sums pass unnoticed (no plausible fault
-does that). Model parallelism adds groups of replicas (TP-replicated params) later.
+does that).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from ..distributed.shard_view import LocalShard
 _CHUNK = 1 << 16  # elements per checksum chunk: bounds the int64 temporaries (512 KiB)
 _PERIOD = 251  # position weights cycle through 1..251: every product and sum below stays inside int64
 _MASK62, _MASK54 = (1 << 62) - 1, (1 << 54) - 1
+GroupOf = Callable[[LocalShard], Optional[torch.distributed.ProcessGroup]]
 _INT_OF_SIZE = MappingProxyType({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32})  # 8 bytes: two words
 
 
@@ -57,14 +63,32 @@ class Checksums:
             total[1] = (total[1] + weighted + plain * (k % _PERIOD + 1)).bitwise_and(_MASK62)
         return total.bitwise_and(_MASK54)
 
-    def of_bucket(self, shard: LocalShard) -> torch.Tensor:
-        """Two int64 checksums of every param of the shard's bucket (weighted by param position)."""
+    def of_bucket(self, shard: LocalShard, keep: Optional[ParamFilter] = None) -> torch.Tensor:
+        """Two int64 checksums of every param of the shard's bucket (weighted by param position), or
+        of those ``keep`` selects."""
         out = torch.zeros(2, dtype=torch.int64, device=shard.param.device)
-        for k, i in enumerate(sorted(shard.params)):
+        for k, i in enumerate(_indices(shard, keep)):
             s = self.of_param(shard.params[i])
             out[0] = (out[0] + s[0]).bitwise_and(_MASK62)
             out[1] = (out[1] + s[1] + s[0] * (k % _PERIOD + 1)).bitwise_and(_MASK62)
         return out
+
+
+ParamFilter = Callable[[torch.nn.Parameter], bool]
+
+
+def _indices(shard: LocalShard, keep: Optional[ParamFilter]) -> list[int]:
+    return [i for i in sorted(shard.params) if keep is None or keep(shard.params[i])]
+
+
+def replicated_across_tensor_parallel(param: torch.nn.Parameter) -> bool:
+    """A param every TP rank holds whole (a ``tensor_model_parallel`` one holds a different slice on each)."""
+    return not getattr(param, "tensor_model_parallel", False)
+
+
+def tensor_parallel_group(shard: LocalShard) -> Optional[torch.distributed.ProcessGroup]:
+    """The TP ranks holding copies of the shard's replicated params (None: one TP rank)."""
+    return shard.tensor_parallel_group
 
 
 def replica_group(shard: LocalShard) -> Optional[torch.distributed.ProcessGroup]:
@@ -73,11 +97,11 @@ def replica_group(shard: LocalShard) -> Optional[torch.distributed.ProcessGroup]
     return shard.data_parallel_group if shard.data_parallel_group is not None else shard.group
 
 
-def _by_group(shards: Sequence[LocalShard]) -> list[tuple[Any, list[LocalShard]]]:
+def _by_group(shards: Sequence[LocalShard], group_of: GroupOf) -> list[tuple[Any, list[LocalShard]]]:
     """The shards grouped by replica group, in first-seen order (the same on every rank of a group)."""
     groups: list[tuple[Any, list[LocalShard]]] = []
     for shard in shards:
-        group = replica_group(shard)
+        group = group_of(shard)
         for g, members in groups:
             if g is group:
                 members.append(shard)
@@ -87,14 +111,18 @@ def _by_group(shards: Sequence[LocalShard]) -> list[tuple[Any, list[LocalShard]]
     return groups
 
 
-def mismatched_buckets(shards: Sequence[LocalShard], checksums: Checksums) -> list[tuple[Any, list[LocalShard]]]:
-    """Per replica group with more than one rank, the shards whose bucket checksum differs on some
-    rank: one MAX all-reduce per group. Every rank of a group gets the same answer."""
+def mismatched_buckets(shards: Sequence[LocalShard], checksums: Checksums, group_of: GroupOf = replica_group,
+                       keep: Optional[ParamFilter] = None) -> list[tuple[Any, list[LocalShard]]]:
+    """Per replica group (``group_of``: the data-parallel replicas, or ``tensor_parallel_group``) with
+    more than one rank, the shards whose bucket checksum (over the params ``keep`` selects) differs on
+    some rank: one MAX all-reduce per group. Every rank of a group gets the same answer."""
     out = []
-    for group, members in _by_group(shards):
+    for group, members in _by_group(shards, group_of):
+        if group is None and group_of is not replica_group:
+            continue  # no tensor-parallel peers
         if collectives.world_size(group) == 1:
             continue
-        sums = torch.stack([checksums.of_bucket(s) for s in members]).to(collectives.flag_device(group))
+        sums = torch.stack([checksums.of_bucket(s, keep) for s in members]).to(collectives.flag_device(group))
         both = torch.cat([sums, -sums])  # MAX of each value and of its negation: [max, -min]
         collectives.all_reduce(both, group, op=torch.distributed.ReduceOp.MAX)
         n = len(members)
@@ -113,13 +141,13 @@ def _owned_ranges(shard: LocalShard) -> dict[int, list[tuple[int, int]]]:
 
 
 def localise(group: Any, shards: Sequence[LocalShard], checksums: Checksums,
-             report: Callable[[str, int, float, float, str], None]) -> None:
-    """For the mismatched ``shards`` of one group: which params differ, and on which ranks.
-    ``report(param name, global rank, max abs diff, rel diff, detail)`` is called once per (param,
-    rank at fault), identically on every rank of the group. Two all_gather_objects."""
-    mine = [{i: tuple(checksums.of_param(s.params[i]).tolist()) for i in sorted(s.params)} for s in shards]
+             report: Callable[[str, int, float, float, str], None], keep: Optional[ParamFilter] = None) -> None:
+    """For the mismatched ``shards`` of one group: which params (of those ``keep`` selects) differ,
+    and on which ranks. ``report(param name, global rank, max abs diff, rel diff, detail)`` is called
+    once per (param, rank at fault), identically on every rank of the group. Two all_gather_objects."""
+    mine = [{i: tuple(checksums.of_param(s.params[i]).tolist()) for i in _indices(s, keep)} for s in shards]
     everyone = collectives.gather_objects(mine, group)
-    differing = [[i for i in sorted(s.params) if len({e[b][i] for e in everyone}) > 1] for b, s in enumerate(shards)]
+    differing = [[i for i in _indices(s, keep) if len({e[b][i] for e in everyone}) > 1] for b, s in enumerate(shards)]
     payload = [{"instance": s.instance_rank, "owned": _owned_ranges(s),
                 "values": {i: s.params[i].detach().reshape(-1).cpu().clone() for i in differing[b]}}
                for b, s in enumerate(shards)]

@@ -3,7 +3,8 @@ rank, three checks of the step against what must hold:
 
   replica  before the step (before its param all-gather can overwrite a bad copy): the model params
            as this step's forward and backward used them are bitwise identical on every rank of the
-           data-parallel group (optimizer/replica_check.py);
+           data-parallel group, and params replicated across tensor-parallel ranks on every TP peer
+           (optimizer/replica_check.py);
   cast     before the step: every owned element of a 16-bit param equals its master cast to the
            param dtype (nearest even; with param remainders the split of the joined master), i.e.
            nothing changed either since the last update;
@@ -32,7 +33,8 @@ from .. import collectives
 from ..errors import UnsupportedConfigError, VerificationError
 from ..ops import precision
 from .float64_update import Float64Inputs, Float64Update
-from .replica_check import Checksums, localise, mismatched_buckets
+from .replica_check import (Checksums, localise, mismatched_buckets, replicated_across_tensor_parallel,
+                            tensor_parallel_group)
 from .shard_store import OwnedShard
 from .update_rules import UpdateRule
 
@@ -339,6 +341,10 @@ class StepVerifier:
         published = [shard for leaf in self.leaves for _, shard in leaf.store.published]
         for group, shards in mismatched_buckets(published, self._checksums):
             localise(group, shards, self._checksums, replica)
+        # Tensor parallelism: the copies of replicated params on the TP peers must be equal too.
+        tp = dict(group_of=tensor_parallel_group, keep=replicated_across_tensor_parallel)
+        for group, shards in mismatched_buckets(published, self._checksums, **tp):
+            localise(group, shards, self._checksums, replica, keep=replicated_across_tensor_parallel)
         for leaf in self.leaves:
             findings += cast_findings(leaf.store.shards, rank)
         return _Pending(self._calls, findings, loss_scale.detach().double().clone(),

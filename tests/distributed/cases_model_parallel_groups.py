@@ -178,3 +178,28 @@ def run_edit_after_grad_sync_survives(overlap: bool, instances: int) -> bool:
     edited = shard.grad.clone()
     ddp.finish_grad_sync()
     return torch.equal(edited, shard.grad)
+
+
+def run_tensor_parallel_replica_check(param: str) -> dict:
+    """TP2 x DP2 with verify mode at every step. After step 1, one element of ``param`` is changed on
+    both ranks of TP rank 1 (so the data-parallel replicas still agree). ``fc.weight`` is tagged
+    ``tensor_model_parallel`` (a different slice per TP rank: no finding); ``norm.weight`` is replicated
+    across TP and must be reported."""
+    tp_group, dp_only = _pairs()
+    model = TinyLM()
+    model.fc.weight.tensor_model_parallel = True
+    ddp = mo.DistributedDataParallel(
+        model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        data_parallel_group=dp_only, model_parallel_groups=mo.ModelParallelGroups(tensor=tp_group))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=LR, use_distributed_optimizer=True, verify_interval=1), ddp)
+    batches = global_batch(4, seed=300)
+    mine = batches[dist.get_rank(dp_only) * 2:(dist.get_rank(dp_only) + 1) * 2]
+    mo.train_step(ddp, opt, None, mine, _per_token, loss_mode="per_token")
+    if dist.get_rank(tp_group) == 1:
+        with torch.no_grad():
+            dict(model.named_parameters())[param].view(-1)[3] += 0.5
+    try:
+        mo.train_step(ddp, opt, None, mine, _per_token, loss_mode="per_token")
+    except mo.VerificationError as exc:
+        return {"error": str(exc), "last_verified": opt.verify_report.last_verified_step}
+    return {"error": None, "last_verified": opt.verify_report.last_verified_step}

@@ -5,6 +5,7 @@ import pytest
 from cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
                                          run_edit_after_grad_sync_survives,
                                          run_optimizer_pg_collection_must_match_the_wrapper,
+                                         run_tensor_parallel_replica_check,
                                          run_replicated_tensor_parallel)
 
 
@@ -52,3 +53,14 @@ def test_optimizer_pg_collection_must_match_the_wrapper(pools):
 @pytest.mark.parametrize("overlap,instances", [(True, 1), (False, 1), (True, 2)])
 def test_an_edit_of_the_reduced_gradient_survives_a_second_grad_sync(pools, overlap, instances):
     assert all(pools(4).run(run_edit_after_grad_sync_survives, overlap, instances))
+
+
+def test_verify_mode_compares_tensor_parallel_copies_of_replicated_params(pools):
+    for r in pools(4).run(run_tensor_parallel_replica_check, "norm.weight"):
+        assert r["error"] is not None and "replica" in r["error"] and "norm.weight" in r["error"], r
+        assert "rank 1" in r["error"] and "rank 3" in r["error"], r["error"]  # the two TP-rank-1 copies
+
+
+def test_verify_mode_leaves_tensor_parallel_slices_alone(pools):
+    for r in pools(4).run(run_tensor_parallel_replica_check, "fc.weight"):
+        assert r["error"] is None and r["last_verified"] == 2, r
