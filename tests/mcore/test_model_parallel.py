@@ -73,7 +73,8 @@ def check_parity(figs: dict, bf16: bool, update_bound: float) -> None:
     assert figs["same_update_everywhere"], figs
 
 
-@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(c), marks=[pytest.mark.slow] if c[4] == 2 else [])
+                                  for c in CASES])
 def test_model_parallel_gpt_matches_float64_reference(pools, case):
     layout, per_token, overlap, bf16, world = case
     results = pools(world).run(cmp.run_layout, layout, per_token, overlap, bf16, (CORE, OURS))
@@ -93,6 +94,7 @@ def test_model_parallel_gpt_matches_float64_reference(pools, case):
         check_parity(core, bf16, bound if bf16 else FP32_UPDATE_FACTOR * core["fp32_torch"])
 
 
+@pytest.mark.slow  # 2-3 minutes: a control of the checks above, not of megatron_opt
 @pytest.mark.parametrize("sabotage, layout, broken_check", [
     ("no_tp_sum", "tp2_sp", "tp_copies_equal"),
     ("no_embedding_allreduce", "pp2", "tied_embedding_equal"),
