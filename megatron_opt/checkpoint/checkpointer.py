@@ -136,7 +136,7 @@ class Checkpointer:
     def save(self, path: Union[str, Path], model: Model, optimizer: Optional[Any] = None,
              scheduler: Optional[Any] = None, *, iteration: int, consumed_samples: int = 0,
              extra: Optional[dict] = None, rank_extra: Optional[dict] = None, keep_latest_k: Optional[int] = None,
-             async_save: bool = False) -> None:
+             async_save: bool = False, save_rng: bool = True) -> None:
         """Save model, optimizer, scheduler and run state as ``path/iter_<iteration>`` (every rank calls it).
 
         ``extra``: run-wide extras (identical on every rank); ``rank_extra``: this rank's own (e.g. its
@@ -144,6 +144,8 @@ class Checkpointer:
         ``async_save``: copy the state (the only part that blocks), write it in the background; the
         next save, ``wait_for_pending_save()`` or a failing ``check_pending_save()`` reports errors,
         on every rank.
+        ``save_rng=False`` (Megatron-LM's ``--no-save-rng``): leave this rank's RNG states out; a load then
+        keeps the generators as they are.
         """
         self.wait_for_pending_save()
         chunks = model_space.as_chunks(model)
@@ -154,7 +156,7 @@ class Checkpointer:
         kind, places = _together(lambda: _placements(chunks, None, model_parallel), f"checkpoint save of iteration {it}")
         params = param_layout.fingerprint_params(chunks, kind, places)  # a collective with megatron-core's keys
         run = {"iteration": it, "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
-        rank_state = {"rng": capture_rng(), "extra": dict(rank_extra or {})}
+        rank_state = {"rng": capture_rng() if save_rng else None, "extra": dict(rank_extra or {})}
         state = model_space.build_save_state(chunks, optimizer, scheduler, run, rank_state,
                                              self._staging if async_save else None, places)
         manifest = {
@@ -262,13 +264,14 @@ class Checkpointer:
         if optimizer is not None and not load_optimizer:
             optimizer.reload_model_params()
         mine = dest.get(model_space.rank_key())
-        if mine is not None and load_rng:
+        rng_restored = mine is not None and mine["rng"] is not None and load_rng
+        if rng_restored:
             restore_rng(mine["rng"])
         run = dest["run"]
         return LoadResult(iteration=run["iteration"], consumed_samples=run["consumed_samples"],
                           saved_data_parallel_size=manifest["data_parallel_size"], path=str(folder),
                           extra=run.get("extra", {}), rank_extra=mine["extra"] if mine is not None else None,
-                          rng_restored=mine is not None and load_rng, saved_world_size=saved_world)
+                          rng_restored=rng_restored, saved_world_size=saved_world)
 
 
 def _placements(chunks: Sequence[GradSource], kind: Optional[str], model_parallel: bool,

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..optimizer.boxes import Box, flat_range_to_boxes
-from .param_layout import Placement
+from .param_layout import Placement, whole
 
 
 class ParamChunk:
@@ -31,15 +31,19 @@ class ParamChunk:
         self.flat = flat
         self.shape = torch.Size(shape)  # the local param's
         self.start = start
-        self.placement = placement
-        local = flat_range_to_boxes(self.shape, start, start + flat.numel())
+        self.placement = placement  # None: the param as it is (local names)
         if placement is None:
-            self.global_shape = self.shape
-            self.boxes: list[Box] = local
-        else:  # in the global tensor: this rank's offsets added
-            self.global_shape = placement.shape
-            self.boxes = [Box(tuple(o + b for o, b in zip(placement.offset, box.offsets)), tuple(box.sizes),
-                              box.flat_start) for box in local]
+            placement = whole("", self.shape, (0,) * len(self.shape), self.shape, True)
+        self.global_shape = placement.shape
+        # Each piece's part of [start, end) as boxes of the piece, moved to its place in the global tensor.
+        end = start + flat.numel()
+        self.boxes: list[Box] = []
+        for piece in placement.pieces:
+            lo, hi = max(start, piece.flat_start), min(end, piece.flat_start + piece.numel)
+            if lo < hi:
+                self.boxes += [Box(tuple(o + b for o, b in zip(piece.offset, box.offsets)), tuple(box.sizes),
+                                   piece.flat_start + box.flat_start)
+                               for box in flat_range_to_boxes(piece.shape, lo - piece.flat_start, hi - piece.flat_start)]
 
     @property
     def written(self) -> bool:

@@ -38,13 +38,32 @@ MODEL_PARALLEL_FIX = ("megatron_opt.checkpoint saves a model-parallel (tensor/pi
 
 
 @dataclass(frozen=True)
+class Piece:
+    """A row-major block of this rank's param that lies in one place of the global tensor."""
+
+    flat_start: int  # its first element in the flattened param
+    shape: torch.Size  # its shape
+    offset: tuple[int, ...]  # where it starts in the global tensor, per dimension
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
 class Placement:
-    """One param of this rank in the checkpoint."""
+    """One param of this rank in the checkpoint: usually one piece (the whole param at its offsets);
+    SwiGLU's fc1 is two (its gate and up halves, each sliced over tensor parallelism on its own)."""
 
     key: str  # its name in the checkpoint (without the 'model/' or 'optim/<state>/' prefix)
     shape: torch.Size  # the global shape
-    offset: tuple[int, ...]  # where this rank's param starts in it, per dimension
+    pieces: tuple[Piece, ...]
     written: bool  # this rank's copy is the one saved (False: a TP duplicate or a tied copy)
+
+
+def whole(key: str, shape: torch.Size, offset: tuple[int, ...], global_shape: torch.Size, written: bool) -> Placement:
+    """A param that is one block of its global tensor."""
+    return Placement(key, torch.Size(global_shape), (Piece(0, torch.Size(shape), tuple(offset)),), written)
 
 
 def _module(chunk: GradSource) -> Any:
@@ -76,30 +95,39 @@ def _is_written(replica_id: Any) -> bool:
     return True
 
 
-def _megatron_core_placements(chunks: Sequence[GradSource]) -> dict[str, Placement]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+def _megatron_core_placement(local_key: str, base: Any) -> Placement:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    from ..optimizer.sharded_layouts import model_space_targets
+
+    plain = isinstance(base, ShardedTensor) and base.flattened_range is None
+    targets = model_space_targets(base, base.key, base.replica_id) if plain or isinstance(
+        base, ShardedTensorFactory) else []
+    first = targets[0].tensor if targets else None
+    p = first.prepend_axis_num if first is not None else 0
+    if not targets or any(t.tensor.key != first.key or t.tensor.prepend_axis_num != p or
+                          tuple(t.tensor.global_offset[:p]) != tuple(first.global_offset[:p]) for t in targets):
+        what = "is not in" if base is None else f"is a {type(base).__name__} in"
+        raise CheckpointError(f"param {local_key} {what} its module's sharded_state_dict() in a form "
+                              f"megatron_opt.checkpoint can place (a ShardedTensor, or a factory that slices it "
+                              f"into blocks of one tensor, as SwiGLU's fc1): save this model through "
+                              f"Megatron-LM's torch_dist checkpoint (optimizer.sharded_state_dict, "
+                              f"'fully_reshardable') instead")
+    # A stacked axis (the layer, the expert) becomes part of the name: one tensor per layer, as each
+    # layer is a param of its own (a rank holds several layers of one ShardedTensor key).
+    key = first.key if p == 0 else f"{first.key}[{','.join(str(i) for i in first.global_offset[:p])}]"
+    pieces = tuple(Piece(t.param_start, torch.Size(t.tensor.local_shape), tuple(t.tensor.global_offset[p:]))
+                   for t in targets)
+    return Placement(key, torch.Size(first.global_shape[p:]), pieces, _is_written(base.replica_id))
+
+
+def _megatron_core_placements(chunks: Sequence[GradSource]) -> dict[str, Placement]:
     from ..optimizer.sharded_layouts import model_params_by_identity
 
-    out: dict[str, Placement] = {}
     by_id: dict[int, Any] = {}
     for chunk in chunks:
         by_id.update(model_params_by_identity(_module(chunk).sharded_state_dict()))
-    for e in param_entries(chunks):
-        base = by_id.get(id(e.param))
-        if not isinstance(base, ShardedTensor) or base.flattened_range is not None:
-            what = "is not in" if base is None else f"is a {type(base).__name__} in"
-            raise CheckpointError(f"param {e.key} {what} its module's sharded_state_dict(); megatron_opt.checkpoint "
-                                  f"places a param by a plain ShardedTensor of it (not a factory such as SwiGLU's "
-                                  f"fc1): save this model through Megatron-LM's torch_dist checkpoint "
-                                  f"(optimizer.sharded_state_dict, 'fully_reshardable') instead")
-        # A stacked axis (the layer, the expert) becomes part of the name: one tensor per layer, as
-        # each layer is a param of its own (a rank holds several layers of one ShardedTensor key).
-        p = base.prepend_axis_num
-        key = base.key if p == 0 else f"{base.key}[{','.join(str(i) for i in base.global_offset[:p])}]"
-        out[e.key] = Placement(key, torch.Size(base.global_shape[p:]), tuple(base.global_offset[p:]),
-                               _is_written(base.replica_id))
-    return out
+    return {e.key: _megatron_core_placement(e.key, by_id.get(id(e.param))) for e in param_entries(chunks)}
 
 
 def placements(chunks: Sequence[GradSource], kind: str, model_parallel: bool) -> dict[str, Placement]:
@@ -116,7 +144,7 @@ def placements(chunks: Sequence[GradSource], kind: str, model_parallel: bool) ->
         raise CheckpointError(f"the checkpoint names params locally (saved at data parallelism only, or over modules "
                               f"without sharded_state_dict()), which cannot place them in this tensor/pipeline-"
                               f"parallel model; {MODEL_PARALLEL_FIX}.")
-    return {e.key: Placement(e.key, e.param.shape, (0,) * e.param.dim(), True) for e in param_entries(chunks)}
+    return {e.key: whole(e.key, e.param.shape, (0,) * e.param.dim(), e.param.shape, True) for e in param_entries(chunks)}
 
 
 def fingerprint_params(chunks: Sequence[GradSource], kind: str, places: dict[str, Placement]) -> list[list]:
@@ -134,5 +162,5 @@ def fingerprint_params(chunks: Sequence[GradSource], kind: str, places: dict[str
     return [[k, list(shape), dtype] for k, shape, dtype in mine]
 
 
-__all__ = ["LOCAL", "MEGATRON_CORE", "Placement", "megatron_core_available", "default_kind", "placements",
+__all__ = ["LOCAL", "MEGATRON_CORE", "Piece", "Placement", "whole", "megatron_core_available", "default_kind", "placements",
            "fingerprint_params"]

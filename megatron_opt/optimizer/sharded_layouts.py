@@ -45,7 +45,7 @@ def _values(s: StateSlice, is_loading: bool) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- fully_reshardable
 @dataclass(frozen=True)
-class _Target:
+class ModelSpaceTarget:
     """One model-space tensor a param's elements land in: a ShardedTensor without data, and where in
     the flattened param its (row-major, contiguous) elements start."""
 
@@ -63,7 +63,7 @@ def model_params_by_identity(model_sharded_state_dict: Any) -> dict[int, Any]:
     return {id(base.data): base for base in nested_values(sharded)}
 
 
-def _targets(base: Any, key: str, replica_id: Any) -> list[_Target]:
+def model_space_targets(base: Any, key: str, replica_id: Any) -> list[ModelSpaceTarget]:
     """The tensors ``base`` (the model's ShardedTensor or factory of a param) stores the param as,
     keyed ``key``. A factory (e.g. SwiGLU's fc1, split in two halves each sharded over TP) is built
     on a tensor of element indices to find where each element goes."""
@@ -71,7 +71,7 @@ def _targets(base: Any, key: str, replica_id: Any) -> list[_Target]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     if isinstance(base, ShardedTensor):
-        return [_Target(replace(base, key=key, data=None, dtype=torch.float32, replica_id=replica_id), 0,
+        return [ModelSpaceTarget(replace(base, key=key, data=None, dtype=torch.float32, replica_id=replica_id), 0,
                         base.data.numel())]
     if not isinstance(base, ShardedTensorFactory):
         raise TypeError(f"{type(base).__name__} is not a ShardedTensor or ShardedTensorFactory")
@@ -86,7 +86,7 @@ def _targets(base: Any, key: str, replica_id: Any) -> list[_Target]:
         if not torch.equal(flat, torch.arange(first, first + flat.numel())):
             raise ValueError(f"the sharded state dict factory of {base.key} reorders the param's elements within "
                              f"{built.key}; megatron_opt maps optimizer state only through row-major slices")
-        out.append(_Target(replace(built, data=None, dtype=torch.float32), first, flat.numel()))
+        out.append(ModelSpaceTarget(replace(built, data=None, dtype=torch.float32), first, flat.numel()))
     return out
 
 
@@ -106,7 +106,7 @@ def model_space_tensors(base: Any, prefix: str, values: torch.Tensor, start: int
 
     out: dict[int, dict[str, Any]] = {}
     end = start + values.numel()
-    for target in _targets(base, prefix + base.key, replica_id):
+    for target in model_space_targets(base, prefix + base.key, replica_id):
         lo, hi = max(start, target.param_start), min(end, target.param_start + target.numel)
         if lo >= hi:
             continue
@@ -324,6 +324,6 @@ def read_dp_reshardable(view: OptimizerStateView, places: Sequence[BucketPlace],
 
 
 __all__ = ["FULLY_RESHARDABLE", "DP_RESHARDABLE", "FULLY_RESHARDABLE_FLAG", "megatron_state_name",
-           "model_params_by_identity", "optimizer_replica_id", "model_space_tensors", "fully_reshardable_state",
+           "model_params_by_identity", "ModelSpaceTarget", "model_space_targets", "optimizer_replica_id", "model_space_tensors", "fully_reshardable_state",
            "read_fully_reshardable", "BucketPlace", "bucket_places", "bucket_key", "bucket_numels",
            "dp_reshardable_state", "read_dp_reshardable"]

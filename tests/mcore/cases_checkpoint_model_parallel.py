@@ -35,14 +35,15 @@ import megatron_opt.checkpoint
 import megatron_opt.errors
 import megatron_opt.megatron
 
-LAYOUTS = {"tp2": cmp.Layout(tp=2), "pp2": cmp.Layout(pp=2), "dp": cmp.Layout()}
+LAYOUTS = {"tp2": cmp.Layout(tp=2), "pp2": cmp.Layout(pp=2), "dp": cmp.Layout(),
+           "tp2_glu": cmp.Layout(tp=2, glu=True), "dp_glu": cmp.Layout(glu=True)}
 STATES = ("master", "exp_avg", "exp_avg_sq")
 GA, MB = 1, 2
 
 
-def _whole_init(seed: int) -> dict[str, torch.Tensor]:
+def _whole_init(seed: int, layout: cmp.Layout) -> dict[str, torch.Tensor]:
     """The TP1/PP1 model's initial weights by name (the same on every rank for a seed)."""
-    config = cmp.transformer_config(LAYOUTS["dp"], True, torch.float32, whole=True)
+    config = cmp.transformer_config(layout, True, torch.float32, whole=True)
     model = mcore_cpu.build_gpt(config, seed, tied=True)
     return {n: p.detach().double().clone() for n, p in model.named_parameters()}
 
@@ -97,16 +98,16 @@ def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
     local["param"] = {n: p.detach().float() for n, p in chunk.named_parameters()}
     mine = []
     if parallel_state.get_data_parallel_rank() == 0:
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         names = {id(p): n for n, p in chunk.named_parameters()}
         for ref, param, counted in cmp.chunk_params(chunk, whole):
             if not counted:
                 continue
-            split = whole[ref].shape != param.shape
-            dim = param.partition_dim if split else 0
-            start = tp_rank * param.shape[dim] if split else 0
+            slices = cmp.tp_slices(whole[ref].shape, param) or [(0, 0, 0, param.shape[0] if param.dim() else 1)]
             for state, per in local.items():
-                mine.append((state, ref, tuple(whole[ref].shape), dim, start, per[names[id(param)]].clone()))
+                values = per[names[id(param)]]
+                for dim, start, local_start, size in slices:
+                    mine.append((state, ref, tuple(whole[ref].shape), dim, start,
+                                 values.narrow(dim, local_start, size).clone() if values.dim() else values.clone()))
     parts: list = [None] * dist.get_world_size()
     dist.all_gather_object(parts, {"pieces": mine, "steps": opt.state_dict()["scalars"]["steps"]})
     if dist.get_rank() != 0:
@@ -115,7 +116,7 @@ def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
     for part in parts:
         for state, ref, shape, dim, start, values in part["pieces"]:
             full = out.setdefault(state, {}).setdefault(ref, torch.full(shape, float("nan")))
-            full.narrow(dim, start, values.shape[dim]).copy_(values)
+            (full.narrow(dim, start, values.shape[dim]) if values.dim() else full).copy_(values)
     out["steps"] = sorted({tuple(p["steps"]) for p in parts})
     return out
 
@@ -128,7 +129,7 @@ def run_save(path: str, layout_name: str, steps: int) -> dict:
     model space as saved (rank 0)."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
-    whole = _whole_init(0)
+    whole = _whole_init(0, layout)
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     with _installed(layout):
         chunks, ddps, opt, sched = _build(layout, whole, dp)
@@ -156,7 +157,7 @@ def run_load(path: str, layout_name: str, formats: tuple = FORMATS) -> dict:
     in model space before and after (rank 0) and what the load reported."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
-    whole = _whole_init(1)
+    whole = _whole_init(1, layout)
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     out = {}
     with _installed(layout):
@@ -173,7 +174,7 @@ def run_save_refused(path: str) -> str:
     (every rank's, the same)."""
     layout = LAYOUTS["tp2"]
     mcore_cpu.init_parallel_state()
-    whole = _whole_init(0)
+    whole = _whole_init(0, layout)
     with _installed(layout):
         chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // 2)
         for ddp in ddps:  # the same modules, but their sharded_state_dict() hidden: "not megatron-core's"
@@ -183,3 +184,34 @@ def run_save_refused(path: str) -> str:
         except megatron_opt.errors.CheckpointError as exc:
             return str(exc)
     return ""
+
+
+def _dropout_draw() -> torch.Tensor:
+    """What a dropout mask inside a tensor-parallel region draws next (megatron-core's RNG tracker)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    with cpu_megatron_core(), get_cuda_rng_tracker().fork():
+        return torch.rand(8)
+
+
+def run_rng_tracker(path: str) -> dict:
+    """At TP2: megatron_opt.checkpoint.save (with RNG states, and with save_rng=False), the dropout stream
+    drawn on, then each loaded: what the stream draws after each load, against what it drew right after
+    the save (per rank: each TP rank has its own stream)."""
+    layout = LAYOUTS["tp2"]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // 2)
+        megatron_opt.checkpoint.save(f"{path}/with_rng", ddps, opt, sched, iteration=1)
+        megatron_opt.checkpoint.save(f"{path}/no_rng", ddps, opt, sched, iteration=1, save_rng=False)
+        after_save = _dropout_draw()
+        _dropout_draw()  # the stream moves on
+        with_rng = megatron_opt.checkpoint.load(f"{path}/with_rng", ddps, opt, sched)
+        after_load = _dropout_draw()
+        no_rng = megatron_opt.checkpoint.load(f"{path}/no_rng", ddps, opt, sched)
+        after_no_rng_load = _dropout_draw()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    return {"after_save": after_save, "after_load": after_load, "after_no_rng_load": after_no_rng_load,
+            "restored": (with_rng.rng_restored, no_rng.rng_restored),
+            "tp_rank": tp_rank}

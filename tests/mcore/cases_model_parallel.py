@@ -52,6 +52,7 @@ class Layout:
     experts: Optional[int] = None
     layers: int = 2
     dispatcher: str = "alltoall"  # megatron-core's MoE token dispatcher (gloo has the uneven all-to-all it needs)
+    glu: bool = False  # SwiGLU MLPs: fc1 holds [gate; up], each half sliced over TP on its own (stride 2)
 
     @property
     def bias(self) -> bool:
@@ -97,7 +98,8 @@ def transformer_config(layout: Layout, per_token: bool, dtype: torch.dtype, whol
         add_bias_linear=layout.bias, num_moe_experts=layout.experts, moe_ffn_hidden_size=32 if layout.experts else None,
         moe_router_topk=2, moe_router_load_balancing_type="none", moe_token_dispatcher_type=layout.dispatcher,
         expert_model_parallel_size=layout.ep if split else 1,
-        expert_tensor_parallel_size=layout.etp if split else None)
+        expert_tensor_parallel_size=layout.etp if split else None,
+        gated_linear_unit=layout.glu, activation_func=torch.nn.functional.silu if layout.glu else torch.nn.functional.gelu)
 
 
 # ----------------------------------------------------------------------------- reference weights -> shards
@@ -122,16 +124,25 @@ def reference_name(chunk: GPTModel, name: str, whole: dict) -> str:
     return name
 
 
-def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """This rank's tensor-parallel slice of a whole tensor (expert params by the expert TP rank)."""
-    if full.shape == param.shape:
-        return full
-    assert getattr(param, "partition_stride", 1) == 1, "stride-2 slices (SwiGLU fc1) are not handled"
-    dim = param.partition_dim
+def tp_slices(whole_shape: torch.Size, param: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """Where this rank's TP slice of a whole tensor lies: [(dim, whole start, local start, size)] along
+    the split dimension; SwiGLU's fc1 (partition_stride 2) is its gate and its up half, each sliced on its
+    own (expert params by the expert TP rank). [] when the param is not split."""
+    if whole_shape == param.shape:
+        return []
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
     rank = (parallel_state.get_expert_tensor_parallel_rank() if _is_expert(param)
             else parallel_state.get_tensor_model_parallel_rank())
-    size = param.shape[dim]
-    return full.narrow(dim, rank * size, size)
+    size = param.shape[dim] // stride
+    return [(dim, k * (whole_shape[dim] // stride) + rank * size, k * size, size) for k in range(stride)]
+
+
+def shard_of(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """This rank's tensor-parallel slice of a whole tensor."""
+    slices = tp_slices(full.shape, param)
+    if not slices:
+        return full
+    return torch.cat([full.narrow(dim, start, size) for dim, start, _, size in slices], dim=slices[0][0])
 
 
 def chunk_params(chunk: GPTModel, whole: dict) -> list:

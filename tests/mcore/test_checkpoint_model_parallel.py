@@ -32,6 +32,7 @@ CASES = {
                 ("tp2", 2, ("megatron_opt",))]),  # -> TP2xDP1: another DP size
     "pp2": (4, [("dp", 4, ccmp.FORMATS),  # PP2xDP2 -> PP1xDP4
                 ("pp2", 2, ("megatron_opt",))]),  # -> PP2xDP1
+    "tp2_glu": (4, [("dp_glu", 2, ccmp.FORMATS)]),  # SwiGLU's stride-2 fc1: TP2xDP2 -> TP1xDP2
 }
 
 
@@ -52,3 +53,15 @@ def test_model_parallel_save_over_modules_without_sharded_state_dict_is_refused(
     messages = pools(4).run(ccmp.run_save_refused, str(tmp_path))
     assert len(set(messages)) == 1 and "sharded_state_dict" in messages[0] and "fully_reshardable" in messages[0], \
         messages
+
+
+def test_megatron_core_rng_tracker_streams_come_back_per_rank(pools, tmp_path):
+    """The dropout streams of megatron-core's RNG tracker are saved per rank and restored at the same
+    layout (each TP rank its own); save_rng=False (--no-save-rng) leaves the generators as they are."""
+    results = pools(2).run(ccmp.run_rng_tracker, str(tmp_path))
+    assert {r["tp_rank"] for r in results} == {0, 1}
+    assert not torch.equal(results[0]["after_save"], results[1]["after_save"])  # per-rank streams
+    for r in results:
+        assert r["restored"] == (True, False), r["restored"]
+        assert torch.equal(r["after_load"], r["after_save"])
+        assert not torch.equal(r["after_no_rng_load"], r["after_save"])
