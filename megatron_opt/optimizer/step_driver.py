@@ -37,6 +37,7 @@ from torch.profiler import record_function
 from ..distributed.shard_view import GradSource
 from .. import collectives
 from ..errors import RankError, StepOrderError
+from . import phase_timers
 from . import stats as grad_stats
 from .grad_scaler import DynamicGradScaler, MegatronGradScaler
 from .hyperparams import check_param_groups
@@ -186,25 +187,27 @@ class StepDriver:
 
     def _apply_updates(self, stages: list[list[Leaf]], clip_coef: Optional[torch.Tensor],
                        found_inf: Optional[torch.Tensor], failure: Optional[BaseException],
-                       sync_params: bool) -> None:
-        """Pass 2 stage by stage; every rank agrees before it enters a stage's param all-gather."""
+                       sync_params: bool, timed: bool = True) -> None:
+        """Pass 2 stage by stage; every rank agrees before it enters a stage's param all-gather.
+        ``timed=False``: the caller times the whole (the CUDA-graph step)."""
         for stage in stages:
-            if failure is None:
-                try:
-                    with record_function("megatron_opt.pass2"):
+            with phase_timers.phase(self.config, "megatron_opt.pass2", phase_timers.PASS2 if timed else None):
+                if failure is None:
+                    try:
                         for leaf in stage:
                             leaf.apply_update(clip_coef, found_inf)
-                except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
-                    failure = exc
-            # Also between the stages: a rank that failed in a later stage has already joined the
-            # earlier stages' all-gathers.
-            self._agree_before_param_sync(failure)
+                    except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+                        failure = exc
+                # Also between the stages: a rank that failed in a later stage has already joined the
+                # earlier stages' all-gathers.
+                self._agree_before_param_sync(failure)
             if sync_params:
-                self._start_param_sync(stage)
+                self._start_param_sync(stage, timed)
 
-    @staticmethod
-    def _start_param_sync(leaves: Sequence[Leaf]) -> None:
-        with record_function("megatron_opt.param_sync"):
+    def _start_param_sync(self, leaves: Sequence[Leaf], timed: bool = True) -> None:
+        # Without the distributed optimizer every rank updated every param: there is nothing to gather.
+        gathers = timed and any(src.ddp_config.use_distributed_optimizer for src in self.sources)
+        with phase_timers.phase(self.config, "megatron_opt.param_sync", phase_timers.PARAM_SYNC if gathers else None):
             for leaf in leaves:
                 leaf.start_param_sync()
 
@@ -238,9 +241,10 @@ class StepDriver:
                 "before step(); start the next step with zero_grad_buffer() and a backward."
             )
         self._finish_grad_sync()
-        self._stage_missing_backward()
-        self._decide()
-        read = self._decision.read()  # the step's one host synchronisation
+        with phase_timers.phase(self.config, "megatron_opt.pass1", phase_timers.PASS1):
+            self._stage_missing_backward()
+            self._decide()
+            read = self._decision.read()  # the step's one host synchronisation
         if read.missing_backward:
             raise StepOrderError(
                 f"step() was called on {read.missing_backward} rank(s) with no gradient since "
@@ -293,11 +297,11 @@ class StepDriver:
         # Verify mode's checks run before and after the step, outside any CUDA graph.
         pending = None
         if self.verifier is not None:
-            with record_function("megatron_opt.verify"):
+            with phase_timers.phase(self.config, "megatron_opt.verify", phase_timers.VERIFY):
                 pending = self.verifier.begin(self.sources, self.get_loss_scale())
         result = self._step_on_device() if self._graph is not None else self._step_on_host()
         if pending is not None:
-            with record_function("megatron_opt.verify"):
+            with phase_timers.phase(self.config, "megatron_opt.verify", phase_timers.VERIFY):
                 self.verifier.finish(pending, self._decision.skip, self._decision.grad_norm, self.config.clip_grad)
         return result
 
@@ -347,7 +351,8 @@ class StepDriver:
         if self.grad_scaler is not None:
             self.grad_scaler.update(decision.overflow, ~skip)
         clip_coef = decision.clip_coefficient(cfg.clip_grad) if cfg.clip_grad > 0.0 else None
-        self._apply_updates([self.leaves], clip_coef, decision.skip, None, sync_params=self._param_sync_in_graph())
+        self._apply_updates([self.leaves], clip_coef, decision.skip, None, sync_params=self._param_sync_in_graph(),
+                            timed=False)
         self._skipped_device.add_(skip.to(torch.int64))
         self._success.copy_(~skip)
         self._grad_norm.copy_(torch.where(skip, torch.full_like(self._grad_norm, float("nan")), decision.grad_norm[0]))
@@ -361,7 +366,8 @@ class StepDriver:
             check_param_groups(leaf.param_groups)
             leaf.stage_hyperparams()
         self._stage_missing_backward()
-        self._graph.run(self._device_core)
+        with phase_timers.phase(self.config, "megatron_opt.graph_step", phase_timers.PASS2):
+            self._graph.run(self._device_core)
         if not self._param_sync_in_graph():
             self._start_param_sync(self.leaves)
         self._enter(StepState.STEPPED)

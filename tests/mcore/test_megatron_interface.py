@@ -212,6 +212,30 @@ def test_optimizer_members_megatron_lm_reads():
     assert opt.get_loss_scale().item() == 1.0
 
 
+def test_megatron_lm_timers_time_the_optimizer_phases():
+    """Megatron-LM's training loop puts its Timers into the optimizer config: at --timing-log-level 1 the
+    step's two passes (and the param all-gather) accumulate time under megatron-core's names; at level 0
+    they are megatron-core's dummy timers."""
+    from megatron.core.timers import Timers
+    from megatron_opt.optimizer import phase_timers as pt
+
+    for level in (1, 0):
+        timers = Timers(level, "minmax")
+        model, ddp, opt = _opt(timers=timers)
+        x = torch.randint(0, 64, (2, 8))
+        with mcore_cpu.cpu_megatron_core():  # megatron-core's Timer synchronises CUDA
+            for _ in range(2):
+                ddp.zero_grad_buffer()
+                model(x).float().square().mean().backward()
+                assert opt.step()[0]
+        if level == 0:  # nothing to time: __call__ hands out the dummy timer, whose elapsed() refuses
+            assert all(timers(name, log_level=pt.LOG_LEVEL) is timers(name, log_level=2) for name in (pt.PASS1,))
+            continue
+        elapsed = {name: timers(name, log_level=pt.LOG_LEVEL).elapsed(reset=False)
+                   for name in (pt.PASS1, pt.PASS2, pt.PARAM_SYNC)}
+        assert all(t > 0.0 for t in elapsed.values()), elapsed
+
+
 def test_our_call_shape_still_returns_a_plain_distributed_optimizer():
     model = TinyLM()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
