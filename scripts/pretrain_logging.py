@@ -28,10 +28,14 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_opt.optimizer import phase_timers
+
 MB = 1024.0 * 1024.0
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s) by device name, most specific first: the denominator of MFU.
 PEAK_TFLOPS_16BIT = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("B200", 2250.0))
-TIMERS_BY_LEVEL = {1: ("forward-backward", "all-grads-sync", "optimizer"),
+# Level 1 ends with the optimizer's own phases (timed by the optimizer through OptimizerConfig.timers).
+TIMERS_BY_LEVEL = {1: ("forward-backward", "all-grads-sync", "optimizer", phase_timers.PASS1, phase_timers.PASS2,
+                       phase_timers.PARAM_SYNC),
                    2: ("batch-generator", "forward-compute", "backward-compute")}
 SKIP_MESSAGE = "megatron_opt: step skipped"
 
@@ -83,8 +87,10 @@ def params_norm(model: torch.nn.Module) -> float:
 # ----------------------------------------------------------------------------- timers
 class PhaseTimers:
     """Megatron-LM's level-1/2 timers around train_step's phases. The optimizer's step and the DDP's
-    gradient sync are timed by wrapping those two bound methods of the instances (level >= 1 only;
-    level 0 wraps nothing and adds no synchronisation)."""
+    gradient sync are timed by wrapping those two bound methods of the instances; the optimizer's
+    passes by the optimizer itself, which is given this object as its ``config.timers`` (Megatron-LM's
+    Timers interface: ``timers(name, log_level)`` -> a clock with start/stop). Level 0 wraps nothing
+    and adds no synchronisation."""
 
     def __init__(self, level: int, cuda: bool) -> None:
         self.level, self.cuda = level, cuda
@@ -110,6 +116,10 @@ class PhaseTimers:
         finally:
             self.totals[name] += self._now() - start
 
+    def __call__(self, name: str, log_level: Optional[int] = None) -> "_Clock":
+        """Megatron-LM's Timers interface, for the optimizer's phases."""
+        return _Clock(self, name, 2 if log_level is None else log_level)
+
     def wrap(self, fn: Callable[..., Any], name: str, level: int = 1) -> Callable[..., Any]:
         if self.level < level:
             return fn
@@ -123,6 +133,7 @@ class PhaseTimers:
         if self.level >= 1:
             ddp.finish_grad_sync = self.wrap(ddp.finish_grad_sync, "all-grads-sync")
             optimizer.step = self.wrap(optimizer.step, "_optimizer-step")
+            optimizer.config.timers = self  # (a ChainedOptimizer's config is its first child's)
 
     def close_step(self, step_seconds: float, sync_before: float) -> None:
         """Split one train_step's time: its optimizer.step less the gradient sync inside it is the
@@ -152,6 +163,23 @@ class PhaseTimers:
             value = f"{hi:.2f}" if option == "max" else f"({lo:.2f}, {hi:.2f})"
             lines.append(f"    {(name + ' ').ljust(48, '.')}: {value}")
         return "\n".join(lines), dict(zip(names, high.tolist()))
+
+
+class _Clock:
+    """One named timer of PhaseTimers, started and stopped by the optimizer (no-ops above the level)."""
+
+    def __init__(self, timers: PhaseTimers, name: str, level: int) -> None:
+        self.timers, self.name, self.on = timers, name, level <= timers.level
+        self.started: Optional[float] = None
+
+    def start(self, barrier: bool = False) -> None:
+        if self.on:
+            self.started = self.timers._now()
+
+    def stop(self, barrier: bool = False) -> None:
+        if self.on and self.started is not None:
+            self.timers.totals[self.name] += self.timers._now() - self.started
+            self.started = None
 
 
 # ----------------------------------------------------------------------------- the interval's numbers

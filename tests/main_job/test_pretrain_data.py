@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -85,9 +86,12 @@ def test_megatron_data_eval_and_log_blocks(fixture_dir, tmp_path):
                for line in a.splitlines() if line.startswith(" [")), a
     records = _records(log_a)
     assert [float(m["loss"]) for m in lines] == [float(f"{records[i]['lm loss']:.6E}") for i in (1, 2, 3, 4)]
-    for name in ("forward-backward", "all-grads-sync", "optimizer", "batch-generator", "forward-compute",
-                 "backward-compute"):
+    for name in ("forward-backward", "all-grads-sync", "optimizer", "optimizer-unscale-and-check-inf",
+                 "optimizer-inner-step", "params-all-gather", "batch-generator", "forward-compute", "backward-compute"):
         assert a.count(f"    {(name + ' ').ljust(48, '.')}: (") == 4, (name, a)
+    for name in ("optimizer-unscale-and-check-inf", "optimizer-inner-step"):  # timed by the optimizer itself
+        times = re.findall(rf"    {re.escape((name + ' ').ljust(48, '.'))}: \(([0-9.]+), ([0-9.]+)\)", a)
+        assert len(times) == 4 and all(float(high) > 0.0 for _, high in times), (name, times)
     assert "data: --data-path 30 " in a and "GPT2BPETokenizer vocabulary 265 padded to 384" in a, a
     # Megatron-LM's validation lines: at --eval-interval, then validation and test after training
     val_a = _validations(a)
