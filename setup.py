@@ -69,7 +69,9 @@ setup(
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard",
                              # megatron-core's checkpoint writer forks workers that import psutil
                              # before their error handling: without it every dist_checkpointing save hangs
-                             "psutil"]},
+                             "psutil",
+                             # the main job's --tokenizer-type HuggingFaceTokenizer (megatron-core loads it with it)
+                             "transformers"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -113,6 +114,38 @@ def test_megatron_data_eval_and_log_blocks(fixture_dir, tmp_path):
     assert not log_lines(c) and list(_validations(c)) == ["iteration 4 on validation set",
                                                           "iteration 4 on test set"], c
     assert "done:" not in c
+
+
+def _huggingface_copy(fixture: Path, out: Path) -> Path:
+    """The fixture's GPT-2 vocabulary and merges as a HuggingFace tokenizer folder (tokenizer.json), saved
+    with transformers, as --tokenizer-model takes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE.from_file(str(fixture / "gpt2-vocab.json"), str(fixture / "gpt2-merges.txt")))
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(str(out))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_huggingface_tokenizer_trains_as_the_same_gpt2_vocabulary(fixture_dir, tmp_path):
+    """--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR goes through megatron-core's own
+    HuggingFace tokenizer class: over the fixture's vocabulary it gives the same vocabulary size and
+    end-of-document id as GPT2BPETokenizer, so the same data trains to the same losses, bitwise."""
+    hf = _huggingface_copy(fixture_dir, tmp_path / "hf")
+    data = _data_block(fixture_dir)[:7]  # --data-path ... --split ...
+    logs, vocabularies = {}, {}
+    for name, tokenizer in (("gpt2", _data_block(fixture_dir)[7:]),
+                            ("hf", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf)])):
+        logs[name] = tmp_path / f"{name}.jsonl"
+        out = _run(1, [*data, *tokenizer, "--train-iters", "2", "--log-json", str(logs[name])])
+        vocabularies[name] = re.findall(r"(\w+) vocabulary (\d+) padded to (\d+)", out)
+    assert vocabularies["gpt2"][0][0] == "GPT2BPETokenizer" and vocabularies["hf"][0][0] == "HuggingFaceTokenizer"
+    assert vocabularies["gpt2"][0][1:] == vocabularies["hf"][0][1:], vocabularies
+    gpt2, hf_records = _records(logs["gpt2"]), _records(logs["hf"])
+    assert sorted(hf_records) == [1, 2] and [r["lm loss"] for r in hf_records.values()] == \
+        [r["lm loss"] for r in gpt2.values()], (gpt2, hf_records)
 
 
 def _check_tensorboard(tb, a_records: dict[int, dict], b_records: dict[int, dict]) -> None:
