@@ -30,6 +30,7 @@ from ..errors import CheckpointError
 from . import directory, model_space, param_layout, validation, writer
 from .dcp_errors import dcp_failures
 from .dcp_items import ModelSpaceLoadPlanner
+from ..optimizer.sharded_state_dict import regrouped_scalar_state
 from .rng import capture_rng, restore_rng
 
 Model = Union[GradSource, Sequence[GradSource]]
@@ -252,10 +253,14 @@ class Checkpointer:
                 raise CheckpointError(f"{folder}: {bad}; refusing to load it (the next step would write NaN into "
                                       f"the params)")
             if opt is not None:
-                saved_groups, mine = dest["optim/scalars"]["param_groups"], opt.param_groups
-                if len(saved_groups) != len(mine):
-                    raise CheckpointError(f"{folder}: the checkpoint has {len(saved_groups)} param groups, this "
-                                          f"optimizer has {len(mine)}; build the optimizer with the same grouping")
+                scalars = dest["optim/scalars"]
+                if len(scalars["param_groups"]) != len(opt.param_groups) or \
+                        len(scalars["steps"]) != len(opt.scalar_state()["steps"]):
+                    # Another layout split the optimizer otherwise (the experts' own groups at EP > 1).
+                    try:
+                        dest["optim/scalars"] = regrouped_scalar_state(opt, scalars)
+                    except ValueError as exc:
+                        raise CheckpointError(f"{folder}: {exc}") from None
             if scheduler is not None:
                 validation.dry_run_scheduler_load(scheduler, dest["scheduler"], folder)
 

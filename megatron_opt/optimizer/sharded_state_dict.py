@@ -86,6 +86,26 @@ def _identity(group: dict) -> tuple:
     return tuple(group.get(k, group.get(f"pre_{k}")) for k in GROUP_IDENTITY)
 
 
+def regrouped_scalar_state(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (a scalar_state() of this model's optimizer in another layout, whose chain had other
+    leaves and groups: e.g. the experts' own at expert parallelism) fitted to ``optimizer``: param
+    groups matched by megatron-core's identity keys (a group the checkpoint lacks keeps its values, as
+    its lr and weight decay come from the schedule), the one update count on every leaf. ValueError
+    when the saved leaves disagree on the update count (then no leaf can be told which is its own)."""
+    by_identity: dict[tuple, dict] = {}
+    for g in saved["param_groups"]:
+        by_identity.setdefault(_identity(g), g)
+    groups = [{k: by_identity.get(_identity(g), {}).get(k, v) for k, v in g.items() if k != "params"}
+              for g in optimizer.param_groups]
+    counts = sorted({int(s) for s in saved["steps"]})
+    if len(counts) > 1:
+        raise ValueError(f"its optimizer's parts disagree on the update count ({counts}), and this optimizer is split "
+                         f"into other parts ({len(optimizer.scalar_state()['steps'])}): load it in the layout that "
+                         f"saved it (the same expert-parallel split)")
+    steps = counts * len(optimizer.scalar_state()["steps"]) if counts else optimizer.scalar_state()["steps"]
+    return {**saved, "param_groups": groups, "steps": steps}
+
+
 def scalar_state_from(child: Any, common: dict) -> dict[str, Any]:
     """The scalar_state() to load into ``child`` from a loaded common state: saved param groups matched
     to this optimizer's by megatron-core's identity keys (a group the checkpoint lacks keeps its values,
@@ -249,5 +269,5 @@ def load(optimizer: Any, state_dict: Any) -> None:
             child.sync_params_from_masters()
 
 
-__all__ = ["SHARDING_TYPE", "children", "sharding_type", "common_state", "scalar_state_from",
+__all__ = ["regrouped_scalar_state", "SHARDING_TYPE", "children", "sharding_type", "common_state", "scalar_state_from",
            "child_sharded_state_dict", "build", "is_megatron_format", "load"]

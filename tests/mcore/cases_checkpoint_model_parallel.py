@@ -36,7 +36,9 @@ import megatron_opt.errors
 import megatron_opt.megatron
 
 LAYOUTS = {"tp2": cmp.Layout(tp=2), "pp2": cmp.Layout(pp=2), "dp": cmp.Layout(),
-           "tp2_glu": cmp.Layout(tp=2, glu=True), "dp_glu": cmp.Layout(glu=True)}
+           "tp2_glu": cmp.Layout(tp=2, glu=True), "dp_glu": cmp.Layout(glu=True),
+           "ep2": cmp.LAYOUTS["ep2"], "ep1": cmp.Layout(experts=4),
+           "pp2_vp2": cmp.LAYOUTS["pp2_vp2"], "dp_4_layers": cmp.Layout(layers=4)}
 STATES = ("master", "exp_avg", "exp_avg_sq")
 GA, MB = 1, 2
 
@@ -58,10 +60,10 @@ def _installed(layout: cmp.Layout):
             megatron_opt.megatron.uninstall()
 
 
-def _build(layout: cmp.Layout, whole: dict, dp: int) -> tuple:
+def _build(layout: cmp.Layout, whole: dict, dp: int, ga: int = GA) -> tuple:
     config = cmp.transformer_config(layout, True, torch.float32)
     chunks = cmp.build_chunks(layout, config, whole)
-    ddps, opt, sched = cmp.setup(chunks, config, False, False, dp * GA * MB)
+    ddps, opt, sched = cmp.setup(chunks, config, False, False, dp * ga * MB)
     return chunks, ddps, opt, sched
 
 
@@ -215,3 +217,31 @@ def run_rng_tracker(path: str) -> dict:
     return {"after_save": after_save, "after_load": after_load, "after_no_rng_load": after_no_rng_load,
             "restored": (with_rng.rng_restored, no_rng.rng_restored),
             "tp_rank": tp_rank}
+
+
+def run_train_and_save(path: str, layout_name: str, steps: int) -> None:
+    """Train ``steps`` steps in the layout (any number of model chunks, experts) and save with
+    megatron_opt.checkpoint only."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0, layout)
+    dp = dist.get_world_size() // (layout.tp * layout.pp)
+    ga = 2 if layout.vp else GA  # the interleaved schedule needs micro-batches >= PP
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dp, ga)
+        cmp.train(ddps, opt, sched, global_batches(steps, dp, ga, MB), True, ga, MB)
+        megatron_opt.checkpoint.save(path, ddps, opt, sched, iteration=steps)
+
+
+def run_load_and_resave(src: str, layout_name: str, dst: str) -> int:
+    """A fresh model (other initial weights) in the layout loads ``src`` and saves it again as ``dst``;
+    the saved data-parallel size ``src`` reported."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(1, layout)
+    dp = dist.get_world_size() // (layout.tp * layout.pp)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dp, 2 if layout.vp else GA)
+        result = megatron_opt.checkpoint.load(src, ddps, opt, sched)
+        megatron_opt.checkpoint.save(dst, ddps, opt, sched, iteration=result.iteration)
+    return result.saved_data_parallel_size

@@ -5,9 +5,12 @@ TP/PP size, another DP size). Every param's fp32 master and Adam moments (and th
 whole in model space, are bitwise the saved ones after the load."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
+import megatron_opt.checkpoint
 import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
 import cases_checkpoint_model_parallel as ccmp
 
@@ -65,3 +68,47 @@ def test_megatron_core_rng_tracker_streams_come_back_per_rank(pools, tmp_path):
         assert r["restored"] == (True, False), r["restored"]
         assert torch.equal(r["after_load"], r["after_save"])
         assert not torch.equal(r["after_no_rng_load"], r["after_save"])
+
+
+# (saved layout, its world, loading layout, its world): expert parallelism and virtual pipeline stages.
+RESAVES = {"ep2": ("ep2", 4, "ep1", 2),  # EP2 (expert DP 2, dense DP 4) -> EP1xDP2
+           "pp2_vp2": ("pp2_vp2", 2, "dp_4_layers", 2)}  # PP2xVP2 (two chunks per rank) -> PP1xDP2
+
+
+def module_name(global_key: str) -> str:
+    """A megatron-core global checkpoint key as the TP1/PP1/EP1 module names the param (what a save at
+    data parallelism writes): ``decoder.layers.mlp.experts.experts.linear_fc1.weight[1,3]`` (layer 1,
+    expert 3) -> ``decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight``."""
+    # The local layer spec's sharded_state_dict_keys_map (keys as Transformer Engine's fused layers name them).
+    for module_key, checkpoint_key in (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+                                       ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")):
+        global_key = global_key.replace(checkpoint_key, module_key)
+    match = re.fullmatch(r"(.*)\[([\d,]+)\]", global_key)
+    if not match:
+        return global_key
+    name, axes = match.group(1), match.group(2).split(",")
+    name = name.replace("decoder.layers.", f"decoder.layers.{axes[0]}.", 1)
+    if len(axes) == 2:
+        name = name.replace("mlp.experts.experts.", f"mlp.experts.local_experts.{axes[1]}.", 1)
+    return name
+
+
+@pytest.mark.parametrize("case", sorted(RESAVES))
+def test_expert_and_virtual_pipeline_checkpoints_reshard_bitwise(pools, tmp_path, case):
+    """megatron_opt.checkpoint at EP2 and PP2xVP2, loaded at EP1 / PP1 and saved again there (module
+    names, as at data parallelism): every tensor of the second checkpoint (params, masters, moments; read
+    in one process) is bitwise the first's, so the load placed every element where the first layout
+    saved it and nothing was lost."""
+    saved, save_world, loading, load_world = RESAVES[case]
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    pools(save_world).run(ccmp.run_train_and_save, first, saved, STEPS)
+    reported = pools(load_world).run(ccmp.run_load_and_resave, first, loading, second)
+    assert set(reported) == {save_world // ccmp.LAYOUTS[saved].pp}
+    for what in ("model", *ccmp.STATES):
+        a = {module_name(k): v for k, v in megatron_opt.checkpoint.read_tensors(first, what).items()}
+        b = megatron_opt.checkpoint.read_tensors(second, what)
+        assert a.keys() == b.keys() and len(a) > 10, (what, sorted(a), sorted(b))
+        for key in a:
+            assert torch.equal(a[key], b[key]), (what, key)
+    experts = [k for k in a if "local_experts" in k]
+    assert len(experts) == (2 * 4 * 4 if case == "ep2" else 0), sorted(a)  # layers x experts x (fc1, fc2 w, b)
