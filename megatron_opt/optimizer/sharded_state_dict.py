@@ -236,9 +236,9 @@ def _read(child: Any, part: dict) -> tuple[list, dict]:
         mine = layouts.bucket_numels(places, unpadded=True)
         if saved != mine:
             raise ValueError(f"the dp_reshardable checkpoint's buckets hold {saved} elements, this optimizer's "
-                             f"{mine}: its flat-buffer layout differs (another model, bucket size or data-parallel "
-                             f"bucketing); load a checkpoint saved with {layouts.FULLY_RESHARDABLE_FLAG}, which any "
-                             f"layout loads")
+                             f"{mine}: its flat-buffer layout differs (another model, tensor / pipeline / expert-"
+                             f"parallel size, bucket size or data-parallel bucketing); load a checkpoint saved with "
+                             f"{layouts.FULLY_RESHARDABLE_FLAG}, which any layout loads")
         values = layouts.read_dp_reshardable(child, places, part["param_state"])
     return values, scalar_state_from(child, part)
 

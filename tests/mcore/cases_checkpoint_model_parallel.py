@@ -67,12 +67,12 @@ def _build(layout: cmp.Layout, whole: dict, dp: int, ga: int = GA) -> tuple:
     return chunks, ddps, opt, sched
 
 
-def _state_dict(chunks: list, opt: Any, is_loading: bool) -> dict:
+def _state_dict(chunks: list, opt: Any, is_loading: bool, kind: str = "fully_reshardable") -> dict:
     """Megatron-LM's generate_state_dict for one model chunk (model and optimizer)."""
     assert len(chunks) == 1, "one model chunk per rank (no virtual pipeline) in these cases"
     sd = {"model": chunks[0].sharded_state_dict()}
     with cc.cpu():
-        sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=is_loading, metadata=cc.metadata("fully_reshardable"))
+        sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=is_loading, metadata=cc.metadata(kind))
     return sd
 
 
@@ -124,6 +124,9 @@ def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
 
 
 FORMATS = ("torch_dist", "megatron_opt")  # Megatron-LM's dist_checkpointing save; megatron_opt.checkpoint
+# torch_dist with Megatron-LM's default optimizer format (per bucket; no TP/PP change): saved beside them.
+DP_RESHARDABLE = "torch_dist_dp_reshardable"
+KINDS = {"torch_dist": "fully_reshardable", DP_RESHARDABLE: "dp_reshardable"}
 
 
 def run_save(path: str, layout_name: str, steps: int) -> dict:
@@ -137,7 +140,8 @@ def run_save(path: str, layout_name: str, steps: int) -> dict:
         chunks, ddps, opt, sched = _build(layout, whole, dp)
         cmp.train(ddps, opt, sched, global_batches(steps, dp, GA, MB), True, GA, MB)
         with cc.cpu(), cc.may_start_processes():
-            dist_checkpointing.save(_state_dict(chunks, opt, is_loading=False), cc.tmp_folder(path, "torch_dist"))
+            for fmt, kind in KINDS.items():
+                dist_checkpointing.save(_state_dict(chunks, opt, False, kind), cc.tmp_folder(path, fmt))
         megatron_opt.checkpoint.save(f"{path}/megatron_opt", ddps, opt, sched, iteration=steps)
         return {"state": model_space_state(opt, chunks, whole)}
 
@@ -148,7 +152,7 @@ def _load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any) -
         result = megatron_opt.checkpoint.load(f"{path}/megatron_opt", ddps, opt, sched)
         return {"saved_data_parallel_size": result.saved_data_parallel_size, "iteration": result.iteration}
     with cc.cpu():
-        loaded = dist_checkpointing.load(_state_dict(chunks, opt, is_loading=True), f"{path}/torch_dist")
+        loaded = dist_checkpointing.load(_state_dict(chunks, opt, True, KINDS[fmt]), f"{path}/{fmt}")
     chunks[0].load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
     return {}
@@ -245,3 +249,17 @@ def run_load_and_resave(src: str, layout_name: str, dst: str) -> int:
         result = megatron_opt.checkpoint.load(src, ddps, opt, sched)
         megatron_opt.checkpoint.save(dst, ddps, opt, sched, iteration=result.iteration)
     return result.saved_data_parallel_size
+
+
+def run_load_refused(path: str, layout_name: str, fmt: str) -> str:
+    """Loading ``fmt`` in the layout: the error (every rank's), or '' when it loaded."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(1, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // (layout.tp * layout.pp))
+        try:
+            _load(path, fmt, chunks, ddps, opt, sched)
+        except (Exception, megatron_opt.errors.CheckpointError) as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+    return ""

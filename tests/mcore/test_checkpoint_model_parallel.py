@@ -32,7 +32,7 @@ def assert_bitwise_same(saved: dict, loaded: dict, before: dict) -> None:
 # (saved layout, its world, [(loading layout, its world, formats)]): one save, several loads.
 CASES = {
     "tp2": (4, [("dp", 2, ccmp.FORMATS),  # TP2xDP2 -> TP1xDP2: a TP reshard, both formats
-                ("tp2", 2, ("megatron_opt",))]),  # -> TP2xDP1: another DP size
+                ("tp2", 2, ("megatron_opt", ccmp.DP_RESHARDABLE))]),  # -> TP2xDP1: another DP size
     "pp2": (4, [("dp", 4, ccmp.FORMATS),  # PP2xDP2 -> PP1xDP4
                 ("pp2", 2, ("megatron_opt",))]),  # -> PP2xDP1
     "tp2_glu": (4, [("dp_glu", 2, ccmp.FORMATS)]),  # SwiGLU's stride-2 fc1: TP2xDP2 -> TP1xDP2
@@ -50,6 +50,15 @@ def test_model_parallel_checkpoints_reshard_bitwise(pools, tmp_path, save):
             assert_bitwise_same(saved, results[0][fmt]["state"], results[0][fmt]["before"])
             if fmt == "megatron_opt":  # the data-parallel size at save, not the world size
                 assert {r[fmt]["saved_data_parallel_size"] for r in results} == {save_world // 2}
+
+
+def test_dp_reshardable_at_another_tensor_parallel_size_is_refused_naming_the_flag(pools, tmp_path):
+    """Megatron-LM's default optimizer format stores buckets, which another TP size lays out otherwise:
+    the load says so on every rank, naming --dist-ckpt-optim-fully-reshardable, instead of loading wrong."""
+    path = str(tmp_path)
+    pools(4).run(ccmp.run_save, path, "tp2", STEPS)
+    messages = pools(2).run(ccmp.run_load_refused, path, "dp", ccmp.DP_RESHARDABLE)
+    assert len(set(messages)) == 1 and "--dist-ckpt-optim-fully-reshardable" in messages[0], messages
 
 
 def test_model_parallel_save_over_modules_without_sharded_state_dict_is_refused(pools, tmp_path):
