@@ -123,6 +123,12 @@ def scalar_state_from(child: Any, common: dict) -> dict[str, Any]:
     if ours:
         steps = [int(s) for s in ours["steps"]]
         skipped = int(ours.get("skipped_steps", 0))
+        leaves = len(child.scalar_state()["steps"])
+        if len(steps) != leaves:  # saved by a chain split otherwise: one update count for all
+            if len(set(steps)) > 1:
+                raise ValueError(f"the checkpoint's optimizer parts disagree on the update count ({sorted(set(steps))}) "
+                                 f"and this optimizer is split otherwise: load it in the layout that saved it")
+            steps = steps[:1] * leaves
     else:  # written by megatron-core: the update count rides in every param group
         counts = {int(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
         if len(counts) > 1:
@@ -198,27 +204,58 @@ def build(optimizer: Any, model_sharded_state_dict: Any, is_loading: bool, metad
 
 
 # ----------------------------------------------------------------------------- loading
+def _candidates(state_dict: Any) -> list[dict]:
+    """The state dict itself and its per-child parts (a chain's, keyed by index, in order)."""
+    if isinstance(state_dict, list):
+        return [p for p in state_dict if isinstance(p, dict)]
+    if not isinstance(state_dict, dict):
+        return []
+    return [state_dict] + [v for _, v in sorted((k, v) for k, v in state_dict.items()
+                                                if isinstance(k, int) and isinstance(v, dict))]
+
+
 def is_megatron_format(state_dict: Any) -> bool:
     """A state dict in megatron-core's distributed-optimizer format (one child's, or a chain's per child)."""
-    if isinstance(state_dict, dict) and "param_state_sharding_type" in state_dict:
-        return True
-    parts = list(state_dict.values()) if isinstance(state_dict, dict) else state_dict
-    return (isinstance(state_dict, (dict, list)) and bool(parts)
-            and all(isinstance(p, dict) and "param_state_sharding_type" in p for p in parts))
+    return any("param_state_sharding_type" in c for c in _candidates(state_dict))
+
+
+def _merged_common(commons: list[dict]) -> dict[str, Any]:
+    """The common states of a chain split otherwise than this optimizer, as one: all param groups (a
+    child's are then matched by identity), every leaf's update count (which must agree)."""
+    inners = [c.get("optimizer") or {} for c in commons]
+    groups = [g for inner in inners for g in inner.get("param_groups", [])]
+    ours = [inner.get("megatron_opt") for inner in inners]
+    merged: dict[str, Any] = {"param_groups": groups}
+    if all(ours):
+        merged["megatron_opt"] = {"param_groups": [g for o in ours for g in o["param_groups"]],
+                                  "steps": [st for o in ours for st in o["steps"]],
+                                  "skipped_steps": max(int(o.get("skipped_steps", 0)) for o in ours)}
+    out: dict[str, Any] = {"optimizer": merged}
+    if any("grad_scaler" in c for c in commons):
+        out["grad_scaler"] = next(c["grad_scaler"] for c in commons if "grad_scaler" in c)
+    return out
 
 
 def _per_child(optimizer: Any, state_dict: Any) -> list[dict]:
-    kids = children(optimizer)
-    if isinstance(state_dict, dict) and "param_state_sharding_type" in state_dict:
-        parts = [state_dict]
-    elif isinstance(state_dict, dict):
-        parts = [v for _, v in sorted(state_dict.items())]
-    else:
-        parts = list(state_dict)
-    if len(parts) != len(kids):
-        raise ValueError(f"the state dict holds the state of {len(parts)} distributed optimizer(s), this "
-                         f"{type(optimizer).__name__} has {len(kids)}")
-    return parts
+    """The part of ``state_dict`` each child of ``optimizer`` reads. A fully_reshardable state dict of a
+    chain split otherwise (the experts' own child at expert parallelism; megatron-core's
+    dist_checkpointing.load returns the saved chain's common parts beside this chain's param state) is
+    read whole by every child: its param state is keyed by model-space names, its param groups by identity."""
+    kids, candidates = children(optimizer), _candidates(state_dict)
+    commons = [c for c in candidates if "param_state_sharding_type" in c]
+    if len(commons) == len(kids) and all("param_state" in c for c in commons):
+        return commons
+    kinds = {c["param_state_sharding_type"] for c in commons}
+    states = [c["param_state"] for c in candidates if "param_state" in c]
+    if kinds != {layouts.FULLY_RESHARDABLE} or not states:
+        raise ValueError(f"the state dict holds the state of {len(commons)} distributed optimizer(s) "
+                         f"({', '.join(sorted(kinds)) or 'no format'}), this {type(optimizer).__name__} has "
+                         f"{len(kids)} (another expert-parallel split): load a checkpoint saved with "
+                         f"{layouts.FULLY_RESHARDABLE_FLAG}, which any layout loads")
+    param_state = {(i, k): v for i, ps in enumerate(states) for k, v in ps.items()}
+    whole = {"param_state_sharding_type": layouts.FULLY_RESHARDABLE, "param_state": param_state,
+             **_merged_common(commons)}
+    return [whole] * len(kids)
 
 
 def _read(child: Any, part: dict) -> tuple[list, dict]:

@@ -67,10 +67,14 @@ def _build(layout: cmp.Layout, whole: dict, dp: int, ga: int = GA) -> tuple:
     return chunks, ddps, opt, sched
 
 
+def _model_keys(chunks: list) -> list[str]:
+    """Megatron-LM's keys of the model chunks in a checkpoint: 'model', or 'model0', 'model1', ..."""
+    return ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+
+
 def _state_dict(chunks: list, opt: Any, is_loading: bool, kind: str = "fully_reshardable") -> dict:
-    """Megatron-LM's generate_state_dict for one model chunk (model and optimizer)."""
-    assert len(chunks) == 1, "one model chunk per rank (no virtual pipeline) in these cases"
-    sd = {"model": chunks[0].sharded_state_dict()}
+    """Megatron-LM's generate_state_dict (model chunks and optimizer)."""
+    sd = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(chunks), chunks)}
     with cc.cpu():
         sd["optimizer"] = opt.sharded_state_dict(sd, is_loading=is_loading, metadata=cc.metadata(kind))
     return sd
@@ -153,7 +157,8 @@ def _load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any) -
         return {"saved_data_parallel_size": result.saved_data_parallel_size, "iteration": result.iteration}
     with cc.cpu():
         loaded = dist_checkpointing.load(_state_dict(chunks, opt, True, KINDS[fmt]), f"{path}/{fmt}")
-    chunks[0].load_state_dict(loaded["model"])
+    for key, chunk in zip(_model_keys(chunks), chunks):
+        chunk.load_state_dict(loaded[key])
     opt.load_state_dict(loaded["optimizer"])
     return {}
 
@@ -225,7 +230,7 @@ def run_rng_tracker(path: str) -> dict:
 
 def run_train_and_save(path: str, layout_name: str, steps: int) -> None:
     """Train ``steps`` steps in the layout (any number of model chunks, experts) and save with
-    megatron_opt.checkpoint only."""
+    megatron_opt.checkpoint and Megatron-LM's torch_dist (fully_reshardable): ``path``/<format>."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
     whole = _whole_init(0, layout)
@@ -234,21 +239,23 @@ def run_train_and_save(path: str, layout_name: str, steps: int) -> None:
     with _installed(layout):
         chunks, ddps, opt, sched = _build(layout, whole, dp, ga)
         cmp.train(ddps, opt, sched, global_batches(steps, dp, ga, MB), True, ga, MB)
-        megatron_opt.checkpoint.save(path, ddps, opt, sched, iteration=steps)
+        megatron_opt.checkpoint.save(f"{path}/megatron_opt", ddps, opt, sched, iteration=steps)
+        with cc.cpu(), cc.may_start_processes():
+            dist_checkpointing.save(_state_dict(chunks, opt, False), cc.tmp_folder(path, "torch_dist"))
 
 
-def run_load_and_resave(src: str, layout_name: str, dst: str) -> int:
-    """A fresh model (other initial weights) in the layout loads ``src`` and saves it again as ``dst``;
-    the saved data-parallel size ``src`` reported."""
+def run_load_and_resave(path: str, fmt: str, layout_name: str, dst: str) -> Optional[int]:
+    """A fresh model (other initial weights) in the layout loads ``path``/``fmt`` and saves it again with
+    megatron_opt.checkpoint as ``dst``; the saved data-parallel size megatron_opt.checkpoint reported."""
     layout = LAYOUTS[layout_name]
     mcore_cpu.init_parallel_state()
     whole = _whole_init(1, layout)
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     with _installed(layout):
         chunks, ddps, opt, sched = _build(layout, whole, dp, 2 if layout.vp else GA)
-        result = megatron_opt.checkpoint.load(src, ddps, opt, sched)
-        megatron_opt.checkpoint.save(dst, ddps, opt, sched, iteration=result.iteration)
-    return result.saved_data_parallel_size
+        report = _load(path, fmt, chunks, ddps, opt, sched)
+        megatron_opt.checkpoint.save(dst, ddps, opt, sched, iteration=1)
+    return report.get("saved_data_parallel_size")
 
 
 def run_load_refused(path: str, layout_name: str, fmt: str) -> str:

@@ -79,9 +79,12 @@ def test_megatron_core_rng_tracker_streams_come_back_per_rank(pools, tmp_path):
         assert not torch.equal(r["after_no_rng_load"], r["after_save"])
 
 
-# (saved layout, its world, loading layout, its world): expert parallelism and virtual pipeline stages.
-RESAVES = {"ep2": ("ep2", 4, "ep1", 2),  # EP2 (expert DP 2, dense DP 4) -> EP1xDP2
-           "pp2_vp2": ("pp2_vp2", 2, "dp_4_layers", 2)}  # PP2xVP2 (two chunks per rank) -> PP1xDP2
+# (saved layout, its world, loading layout, its world, formats): expert parallelism and virtual pipeline stages.
+RESAVES = {"ep2": ("ep2", 4, "ep1", 2, ccmp.FORMATS),  # EP2 (expert DP 2, dense DP 4) -> EP1xDP2
+           # EP1xDP2 -> EP2: megatron_opt.checkpoint at data parallelism names params locally, which a
+           # model-parallel layout does not read (docs/checkpoints.md): Megatron-LM's torch_dist only.
+           "ep1_to_ep2": ("ep1", 2, "ep2", 4, ("torch_dist",)),
+           "pp2_vp2": ("pp2_vp2", 2, "dp_4_layers", 2, ccmp.FORMATS)}  # PP2xVP2 (two chunks per rank) -> PP1xDP2
 
 
 def module_name(global_key: str) -> str:
@@ -104,20 +107,25 @@ def module_name(global_key: str) -> str:
 
 @pytest.mark.parametrize("case", sorted(RESAVES))
 def test_expert_and_virtual_pipeline_checkpoints_reshard_bitwise(pools, tmp_path, case):
-    """megatron_opt.checkpoint at EP2 and PP2xVP2, loaded at EP1 / PP1 and saved again there (module
-    names, as at data parallelism): every tensor of the second checkpoint (params, masters, moments; read
-    in one process) is bitwise the first's, so the load placed every element where the first layout
-    saved it and nothing was lost."""
-    saved, save_world, loading, load_world = RESAVES[case]
-    first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    pools(save_world).run(ccmp.run_train_and_save, first, saved, STEPS)
-    reported = pools(load_world).run(ccmp.run_load_and_resave, first, loading, second)
-    assert set(reported) == {save_world // ccmp.LAYOUTS[saved].pp}
-    for what in ("model", *ccmp.STATES):
-        a = {module_name(k): v for k, v in megatron_opt.checkpoint.read_tensors(first, what).items()}
-        b = megatron_opt.checkpoint.read_tensors(second, what)
-        assert a.keys() == b.keys() and len(a) > 10, (what, sorted(a), sorted(b))
-        for key in a:
-            assert torch.equal(a[key], b[key]), (what, key)
-    experts = [k for k in a if "local_experts" in k]
-    assert len(experts) == (2 * 4 * 4 if case == "ep2" else 0), sorted(a)  # layers x experts x (fc1, fc2 w, b)
+    """megatron_opt.checkpoint and Megatron-LM's torch_dist (fully_reshardable) at EP2 and PP2xVP2, each
+    loaded at EP1 / PP1 (and torch_dist at EP1 loaded at EP2: a chain of another split) and saved again
+    there with megatron_opt.checkpoint: every tensor of that checkpoint (params, masters, moments; read in
+    one process, keys in module names) is bitwise the first megatron_opt.checkpoint's, so the load placed
+    every element where the first layout saved it and nothing was lost."""
+    saved, save_world, loading, load_world, formats = RESAVES[case]
+    path = str(tmp_path / "first")
+    first = f"{path}/megatron_opt"
+    pools(save_world).run(ccmp.run_train_and_save, path, saved, STEPS)
+    for fmt in formats:  # megatron_opt.checkpoint's save, and Megatron-LM's torch_dist of the same state
+        second = str(tmp_path / f"second_{fmt}")
+        reported = pools(load_world).run(ccmp.run_load_and_resave, path, fmt, loading, second)
+        if fmt == "megatron_opt":
+            assert set(reported) == {save_world // ccmp.LAYOUTS[saved].pp}
+        for what in ("model", *ccmp.STATES):
+            a = {module_name(k): v for k, v in megatron_opt.checkpoint.read_tensors(first, what).items()}
+            b = {module_name(k): v for k, v in megatron_opt.checkpoint.read_tensors(second, what).items()}
+            assert a.keys() == b.keys() and len(a) > 10, (fmt, what, sorted(a), sorted(b))
+            for key in a:
+                assert torch.equal(a[key], b[key]), (fmt, what, key)
+        experts = [k for k in a if "local_experts" in k]
+        assert len(experts) == (0 if case == "pp2_vp2" else 2 * 4 * 4), sorted(a)  # layers x experts x (fc1, fc2 w, b)
