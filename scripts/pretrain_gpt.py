@@ -34,9 +34,10 @@ line (scripts/pretrain_logging.py), and validation lines at --eval-interval and 
 
 Checkpoints (megatron_opt.checkpoint): --save DIR every --save-interval iterations and at the end;
 --load DIR resumes model, optimizer, schedule, loss scale, iteration, RNG and data position (at any
-data-parallel size; RNG, and the built-in corpus' position, only at the same size); --exit-interval N
-saves and exits. --load and --save never lose a run (scripts/pretrain_resume.py): a missing --load is
-said, a --save over newer iterations is refused, a changed schedule or batch is warned about.
+data-parallel size, and with model parallelism at any TP/PP layout; RNG, and the built-in corpus'
+position, only at the same size); --exit-interval N saves and exits. --load and --save never lose a
+run (scripts/pretrain_resume.py): a missing --load is said, a --save over newer iterations is refused,
+a changed schedule or batch is warned about.
 
 Divergence: as Megatron-LM (--check-for-nan-in-loss-and-grad, on by default), a non-finite loss, or
 non-finite gradients outside the fp16 dynamic scaler's backoff, stops every rank (exit code 4, a
@@ -260,6 +261,22 @@ class Job:
         pretrain_logging.print_rank0(self.rank, *lines, err=err)
 
     # ------------------------------------------------------------------------- checkpoints
+    def model_chunks(self) -> list:
+        """The DDP-wrapped model chunks as the optimizer sees them (what megatron_opt.checkpoint saves)."""
+        return [self.ddp]
+
+    def layout(self) -> str:
+        """The parallel layout, as a resume names the saved and the current one."""
+        return f"DP={self.world}"
+
+    def data_extra(self) -> dict:
+        """Run-wide checkpoint extras for the data position (none here: each rank's own position is its
+        rank_extra, which comes back at the same world size, i.e. the same data-parallel size)."""
+        return {}
+
+    def resume_data(self, state: mo.checkpoint.LoadResult) -> None:
+        self.source.resume(state.rank_extra, state.iteration)
+
     def resume(self) -> None:
         args = self.args
         if args.load_iteration is None:
@@ -272,23 +289,24 @@ class Job:
             self.say(f"note: {args.load} has no optimizer state (saved with --no-save-optim): loading the model and "
                      f"schedule, the optimizer starts fresh")
         command_line = pretrain_resume.schedule_values(self.scheduler)
-        state = self.checkpointer.load(args.load, self.ddp, self.optimizer, self.scheduler,
+        state = self.checkpointer.load(args.load, self.model_chunks(), self.optimizer, self.scheduler,
                                        load_optimizer=has_optimizer and not args.no_load_optim,
                                        load_rng=not args.no_load_rng)
         self.iteration, self.consumed = state.iteration, state.consumed_samples
-        self.source.resume(state.rank_extra, state.iteration)
-        self.say(f"resumed from iteration {state.iteration} (saved at DP={state.saved_data_parallel_size}, "
-                 f"now DP={self.world}) from {state.path}",
+        self.resume_data(state)
+        saved_layout = state.extra.get("layout", f"DP={state.saved_data_parallel_size}")
+        self.say(f"resumed from iteration {state.iteration} (saved at {saved_layout}, now {self.layout()}) "
+                 f"from {state.path}",
                  *pretrain_resume.resume_warnings(args, state.extra, self.scheduler, command_line))
 
     def save(self) -> None:
         args = self.args
         self.checkpointer.save(
-            args.save, self.ddp, None if args.no_save_optim else self.optimizer, self.scheduler,
+            args.save, self.model_chunks(), None if args.no_save_optim else self.optimizer, self.scheduler,
             iteration=self.iteration, consumed_samples=self.consumed, rank_extra=self.source.rank_state(),
-            extra={"global_batch_size": args.global_batch_size,
-                   "schedule": pretrain_resume.schedule_values(self.scheduler)},
-            keep_latest_k=args.keep_latest_k, async_save=args.async_save)
+            extra={"global_batch_size": args.global_batch_size, "layout": self.layout(),
+                   "schedule": pretrain_resume.schedule_values(self.scheduler), **self.data_extra()},
+            keep_latest_k=args.keep_latest_k, async_save=args.async_save, save_rng=not args.no_save_rng)
         self.say(f"saved iteration {self.iteration} to {args.save}{' (in the background)' if args.async_save else ''}")
 
     # ------------------------------------------------------------------------- evaluation

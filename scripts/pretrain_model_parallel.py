@@ -21,9 +21,21 @@ Megatron-LM pads the vocabulary to a multiple of --make-vocab-size-divisible-by 
 On CPU, megatron-core's CUDA assumptions are patched only while megatron-core code runs
 (scripts/megatron_core_on_cpu.py).
 
+Checkpoints: --save/--load, --save-interval and the rest of the main job's checkpoint flags work here as
+at data parallelism (pretrain_gpt.py's Job.save/resume, scripts/pretrain_resume.py's rules: the tracker,
+the newest-folder fallback, the refusal to move a newer tracker back, the schedule and batch warnings,
+--exit-signal-handler, --exit-interval, --async-save, --no-load-optim, --no-save-rng). megatron_opt.checkpoint
+saves the optimizer over all model chunks' DDPs with megatron-core's global keys ("param_keys":
+"megatron_core"), so a checkpoint saved with tensor / pipeline / expert parallelism loads at another
+TP / PP / DP layout (TP2 x PP2 -> TP1 x PP1 is tested) and continues as that layout's run from scratch
+does. Each data-parallel rank's data position is saved run-wide (``data_by_dp_rank``), so the built-in
+corpus continues exactly at any layout of the same data-parallel size (megatron-core's datasets
+continue from the consumed samples at any size). --no-save-optim saves the model by the same global keys
+(megatron_opt.checkpoint sees the chunks' model-parallel groups). Refused before anything runs: --load
+of a local-names checkpoint (saved at data parallelism, or at TP1 x PP1 x EP1) into a TP / PP / EP layout.
+
 Not here yet (each refused with its reason by ``check_args``): context parallelism (megatron-core's
-local attention needs Transformer Engine for it), --save/--load (megatron_opt.checkpoint saves
-data-parallel sharding only), --log-params-norm.
+local attention needs Transformer Engine for it), --log-params-norm.
 """
 from __future__ import annotations
 
@@ -37,6 +49,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
+import megatron_opt.checkpoint  # noqa: F401  (mo.checkpoint)
+from megatron_opt.checkpoint import directory, param_layout
 from megatron_opt.megatron import arguments as megatron_args
 import pretrain_data
 import pretrain_eval
@@ -88,11 +102,11 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
     if args.num_experts is not None and args.moe_token_dispatcher_type == "alltoall" and on_cpu:
         return ("--moe-token-dispatcher-type alltoall needs CUDA (megatron-core's all-to-all dispatcher creates CUDA "
                 "streams); on CPU use --moe-token-dispatcher-type allgather")
-    if args.save is not None or args.load is not None:
-        return ("--save/--load with megatron-core's GPTModel (model parallelism, --num-experts, --use-mcore-models) "
-                "are not supported yet: megatron_opt.checkpoint saves data-parallel sharding only; leave them out")
     if args.log_params_norm:
         return "--log-params-norm is not supported with megatron-core's GPTModel yet (model-parallel shards)"
+    problem = check_checkpoint_args(args)
+    if problem:
+        return problem
     ffn = args.ffn_hidden_size or 4 * args.hidden_size
     for flag, value in (("--hidden-size", args.hidden_size), ("--num-attention-heads", args.num_attention_heads),
                         ("--ffn-hidden-size", ffn)):
@@ -101,6 +115,28 @@ def check_args(args: argparse.Namespace) -> Optional[str]:
     if args.sequence_parallel and args.seq_length % tp:
         return (f"--seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size {tp}: "
                 f"--sequence-parallel splits the sequence over the TP ranks")
+    return None
+
+
+def model_parallel(args: argparse.Namespace) -> bool:
+    """A layout that splits the model over ranks (tensor, pipeline or expert parallelism)."""
+    return any(getattr(args, s) > 1 for s in SIZES) or (args.expert_tensor_parallel_size or 1) > 1
+
+
+def check_checkpoint_args(args: argparse.Namespace) -> Optional[str]:
+    """--save/--load on this path (pretrain_resume's rules apply as at data parallelism): what
+    megatron_opt.checkpoint cannot do here, before anything runs. It names a model-parallel model's
+    params by megatron-core's global keys (a checkpoint then loads at any TP / PP / DP layout) at tensor /
+    pipeline / expert parallelism, with or without the optimizer; at TP1 x PP1 x EP1 by their local names."""
+    if not model_parallel(args):
+        return None
+    if args.load_iteration is not None:
+        manifest = directory.read_manifest(mo.checkpoint.resolve(args.load))
+        if manifest.get("param_keys", param_layout.LOCAL) == param_layout.LOCAL:
+            return (f"--load {args.load}: iteration {args.load_iteration} names its params locally (saved at data "
+                    f"parallelism: by this script's own GPT, or by megatron-core's GPTModel at TP1 x PP1 x EP1), so it "
+                    f"cannot be placed in a tensor, pipeline or expert-parallel layout; load it at TP1 x PP1 x EP1 "
+                    f"(--use-mcore-models), or resume from a checkpoint saved with model parallelism")
     return None
 
 
@@ -120,6 +156,11 @@ def transformer_config(args: argparse.Namespace, dtype: torch.dtype) -> Any:
         tensor_model_parallel_size=args.tensor_model_parallel_size, sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's defaults: the interleaved schedule overlaps its p2p, which then runs unbatched; at
+        # PP 2 that sends each direction on its own communicator. Batched, both directions to the one
+        # peer share a stream, and gloo matches a gradient to an activation receive of the same shape.
+        overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         num_moe_experts=experts, moe_router_topk=args.moe_router_topk if experts else 2,
@@ -350,17 +391,47 @@ def job_class(base: type) -> type:
                     self.tensorboard.log_validation(loss, self.iteration, self.consumed)
             self.say(*pretrain_eval.result_lines(prefix, loss))
 
+        def model_chunks(self) -> list:
+            """Every model chunk's DDP (the optimizer's chunks): megatron_opt.checkpoint names their params by
+            megatron-core's global keys, so a checkpoint loads at another TP / PP / DP layout."""
+            return list(self.ddps)
+
+        def layout(self) -> str:
+            args = self.args
+            vp = args.virtual_pipeline_model_parallel_size
+            return (f"TP={args.tensor_model_parallel_size}{' (sequence parallel)' if args.sequence_parallel else ''}"
+                    f" x PP={args.pipeline_model_parallel_size}{f' (VP={vp})' if vp else ''} x "
+                    f"CP={args.context_parallel_size} x DP={args.data_parallel_size}"
+                    + (f", EP={args.expert_model_parallel_size} ({args.num_experts} experts, expert "
+                       f"TP={args.expert_tensor_parallel_size})" if args.num_experts else ""))
+
+        def data_extra(self) -> dict:
+            """The data position of each data-parallel rank (all the ranks of one hold the same), run-wide: the
+            per-rank extras come back only at the same world size and by global rank, which at another TP / PP
+            layout is another data-parallel rank, so a resume takes its position from here instead."""
+            from megatron.core import parallel_state
+
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, (parallel_state.get_data_parallel_rank(), self.source.rank_state()))
+            by_dp_rank = dict(reversed(gathered))  # any rank of each data-parallel rank
+            return {"data_by_dp_rank": [by_dp_rank[r] for r in range(len(by_dp_rank))]}
+
+        def resume_data(self, state: Any) -> None:
+            """The position this data-parallel rank saved, at any TP / PP layout of the same data-parallel size
+            (at another size the built-in corpus' streams start afresh, as at data parallelism; megatron-core's
+            datasets continue from the consumed samples at any size)."""
+            from megatron.core import parallel_state
+
+            saved = state.extra.get("data_by_dp_rank")
+            same_dp = saved is not None and len(saved) == self.args.data_parallel_size
+            self.source.resume(saved[parallel_state.get_data_parallel_rank()] if same_dp else None, state.iteration)
+
         def header(self) -> None:
             args = self.args
             n_params = count_params(list(self.model))
             threads, threads_from = self.threads
-            vp = args.virtual_pipeline_model_parallel_size
-            layout = (f"TP={args.tensor_model_parallel_size}{' (sequence parallel)' if args.sequence_parallel else ''}"
-                      f" x PP={args.pipeline_model_parallel_size}{f' (VP={vp})' if vp else ''} x "
-                      f"CP={args.context_parallel_size} x DP={args.data_parallel_size}"
-                      + (f", EP={args.expert_model_parallel_size} ({args.num_experts} experts, expert "
-                         f"TP={args.expert_tensor_parallel_size})" if args.num_experts else ""))
-            self.say(f"megatron_opt pretrain_gpt: megatron-core GPTModel, {n_params / 1e6:.2f}M params, {layout}, "
+            self.say(f"megatron_opt pretrain_gpt: megatron-core GPTModel, {n_params / 1e6:.2f}M params, "
+                     f"{self.layout()}, "
                      f"world {self.world}, device={self.device}, dtype={self.dtype}, "
                      f"{'distributed' if args.use_distributed_optimizer else 'non-distributed'} optimizer, "
                      f"loss mode={args.loss_mode}, global batch {args.global_batch_size} = {args.micro_batch_size} x "

@@ -141,7 +141,7 @@ class Checkpointer:
         """Save model, optimizer, scheduler and run state as ``path/iter_<iteration>`` (every rank calls it).
 
         ``extra``: run-wide extras (identical on every rank); ``rank_extra``: this rank's own (e.g. its
-        data-loader position), given back by load() at the same world size.
+        data-loader position), given back by load() at the same world size and model-parallel layout.
         ``async_save``: copy the state (the only part that blocks), write it in the background; the
         next save, ``wait_for_pending_save()`` or a failing ``check_pending_save()`` reports errors,
         on every rank.
@@ -153,7 +153,7 @@ class Checkpointer:
         if optimizer is not None:
             model_space.check_optimizer(chunks, optimizer)
         it = int(iteration)
-        model_parallel = model_space.is_model_parallel(optimizer)
+        model_parallel = model_space.is_model_parallel(chunks, optimizer)
         kind, places = _together(lambda: _placements(chunks, None, model_parallel), f"checkpoint save of iteration {it}")
         params = param_layout.fingerprint_params(chunks, kind, places)  # a collective with megatron-core's keys
         run = {"iteration": it, "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
@@ -164,7 +164,7 @@ class Checkpointer:
             "format": model_space.FORMAT, "megatron_opt_version": VERSION, "iteration": it,
             "data_parallel_size": model_space.data_parallel_size(chunks), "world_size": collectives.world_size(None),
             "fingerprint": model_space.fingerprint(chunks, optimizer, params), "scheduler": scheduler is not None,
-            "param_keys": kind,
+            "param_keys": kind, "model_parallel_sizes": model_space.model_parallel_sizes(chunks),
         }
         group = _new_group()
         job = lambda: writer.write_iteration(Path(path), it, state, manifest, keep_latest_k, group)  # noqa: E731
@@ -217,7 +217,7 @@ class Checkpointer:
         opt = optimizer if load_optimizer else None
         rank, world = collectives.rank(None), collectives.world_size(None)
 
-        model_parallel = model_space.is_model_parallel(optimizer)
+        model_parallel = model_space.is_model_parallel(chunks, optimizer)
 
         def find() -> tuple[Path, dict, str, dict]:
             folder = directory.resolve(path, iteration)
@@ -240,7 +240,11 @@ class Checkpointer:
         _together(check, f"checkpoint load from {path}")
         # Checkpoints before the world size was recorded stored it as data_parallel_size.
         saved_world = manifest.get("world_size", manifest["data_parallel_size"])
-        dest = model_space.build_load_destination(chunks, opt, scheduler, saved_world == world, places)
+        # Per-rank state (RNG, rank_extra) belongs to a rank's role: the same world size in another
+        # layout gives a rank another role (older checkpoints, without sizes, were data-parallel).
+        sizes = model_space.model_parallel_sizes(chunks)
+        same_layout = saved_world == world and manifest.get("model_parallel_sizes", sizes) == sizes
+        dest = model_space.build_load_destination(chunks, opt, scheduler, same_layout, places)
         group = _new_group()
 
         def read() -> None:

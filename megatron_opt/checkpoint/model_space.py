@@ -56,8 +56,18 @@ def check_optimizer(chunks: Sequence[GradSource], optimizer: Any) -> OptimizerSt
     return optimizer
 
 
-def is_model_parallel(optimizer: Optional[OptimizerStateView]) -> bool:
-    return optimizer is not None and any(leaf.model_parallel for leaf in optimizer.state_leaves())
+def is_model_parallel(chunks: Sequence[GradSource], optimizer: Optional[OptimizerStateView]) -> bool:
+    """The optimizer's leaves, or the chunks' own groups (a model-only save has no optimizer), span
+    tensor / pipeline / context / expert parallelism."""
+    if optimizer is not None and any(leaf.model_parallel for leaf in optimizer.state_leaves()):
+        return True
+    return any(getattr(getattr(c, "model_parallel_groups", None), "is_model_parallel", False) for c in chunks)
+
+
+def model_parallel_sizes(chunks: Sequence[GradSource]) -> Optional[dict[str, int]]:
+    """The chunks' model-parallel sizes (None for chunks that do not record them)."""
+    groups = getattr(chunks[0], "model_parallel_groups", None) if chunks else None
+    return groups.sizes() if groups is not None else None
 
 
 def data_parallel_size(chunks: Sequence[GradSource]) -> int:
@@ -227,5 +237,5 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
         scheduler.load_state_dict(dest["scheduler"])
 
 
-__all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "data_parallel_size", "fingerprint", "Staging", "rank_key",
+__all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "model_parallel_sizes", "data_parallel_size", "fingerprint", "Staging", "rank_key",
            "build_save_state", "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

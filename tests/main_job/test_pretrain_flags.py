@@ -552,7 +552,7 @@ def test_noop_values_are_accepted(monkeypatch, flags):
                                  "torch_dist|torch_dcp, a no-op here"),
     (["--data-args-path", "x"], "--data-args-path x: not supported yet: this data or tokenizer option"),
     (["--log-energy"], "--log-energy: not supported yet: this logging option is not implemented"),
-    (["--no-save-rng"], "--no-save-rng: not supported yet: not implemented by megatron_opt or by this script"),
+    (["--manual-gc"], "--manual-gc: not supported yet: not implemented by megatron_opt or by this script"),
     (["--no-such-flag"], "unknown flag --no-such-flag\n"),
     (["--micro-batch-szie", "4"], "unknown flag --micro-batch-szie; did you mean --micro-batch-size?\n"),
     (["--log-intervall", "2"], "unknown flag --log-intervall; did you mean --log-interval?\n"),  # not "--log-*"

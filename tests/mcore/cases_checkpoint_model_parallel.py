@@ -270,3 +270,25 @@ def run_load_refused(path: str, layout_name: str, fmt: str) -> str:
         except (Exception, megatron_opt.errors.CheckpointError) as exc:  # noqa: BLE001
             return f"{type(exc).__name__}: {exc}"
     return ""
+
+
+def run_model_only_and_full_save(path: str) -> None:
+    """At TP2 (world 2): a model-only save (no optimizer) and a full save of the same trained model."""
+    layout = LAYOUTS["tp2"]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, 1)
+        cmp.train(ddps, opt, sched, global_batches(1, 1, GA, MB), True, GA, MB)
+        megatron_opt.checkpoint.save(f"{path}/model_only", ddps, iteration=1)
+        megatron_opt.checkpoint.save(f"{path}/full", ddps, opt, sched, iteration=1)
+
+
+def run_load_reports_rng(path: str, layout_name: str) -> bool:
+    """Load ``path`` in the layout; whether the RNG states were restored."""
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(1, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // (layout.tp * layout.pp))
+        return megatron_opt.checkpoint.load(path, ddps, opt, sched).rng_restored

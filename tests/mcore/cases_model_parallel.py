@@ -95,6 +95,9 @@ def transformer_config(layout: Layout, per_token: bool, dtype: torch.dtype, whol
         tensor_model_parallel_size=layout.tp if split else 1, sequence_parallel=layout.sp and split,
         pipeline_model_parallel_size=layout.pp if split else 1,
         virtual_pipeline_model_parallel_size=layout.vp if split else None,
+        # Megatron-LM's defaults: the interleaved schedule's p2p overlapped and unbatched (each direction on
+        # its own communicator at PP 2: batched, gloo can match a gradient to an activation receive).
+        overlap_p2p_comm=bool(layout.vp and split), batch_p2p_comm=not (layout.vp and split),
         add_bias_linear=layout.bias, num_moe_experts=layout.experts, moe_ffn_hidden_size=32 if layout.experts else None,
         moe_router_topk=2, moe_router_load_balancing_type="none", moe_token_dispatcher_type=layout.dispatcher,
         expert_model_parallel_size=layout.ep if split else 1,

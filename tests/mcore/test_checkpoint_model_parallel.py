@@ -129,3 +129,16 @@ def test_expert_and_virtual_pipeline_checkpoints_reshard_bitwise(pools, tmp_path
                 assert torch.equal(a[key], b[key]), (fmt, what, key)
         experts = [k for k in a if "local_experts" in k]
         assert len(experts) == (0 if case == "pp2_vp2" else 2 * 4 * 4), sorted(a)  # layers x experts x (fc1, fc2 w, b)
+
+
+def test_model_only_save_and_per_rank_state_follow_the_layout(pools, tmp_path):
+    """A model-only save of TP2 chunks is placed by global keys (the chunks' groups say TP2), so it holds
+    every TP slice: the same tensors as the full save. Per-rank state (RNG) comes back at the same layout,
+    not at the same world size in another layout (TP2xDP1 -> TP1xDP2), where a rank has another role."""
+    pools(2).run(ccmp.run_model_only_and_full_save, str(tmp_path))
+    model_only = megatron_opt.checkpoint.read_tensors(str(tmp_path / "model_only"), "model")
+    full = megatron_opt.checkpoint.read_tensors(str(tmp_path / "full"), "model")
+    assert model_only.keys() == full.keys() and all(torch.equal(model_only[k], full[k]) for k in full)
+    assert model_only["embedding.word_embeddings.weight"].shape[0] == mcore_cpu.VOCAB
+    assert pools(2).run(ccmp.run_load_reports_rng, str(tmp_path / "full"), "tp2") == [True, True]
+    assert pools(2).run(ccmp.run_load_reports_rng, str(tmp_path / "full"), "dp") == [False, False]

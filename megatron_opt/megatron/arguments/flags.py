@@ -222,6 +222,7 @@ def _add_checkpointing_args(g: _Group) -> None:
     g.value("--load", str, help="checkpoint folder to resume from (its latest iteration)")
     g.switch("--no-load-optim", help="load the model only")
     g.switch("--no-load-rng", help="do not restore the RNG states")
+    g.switch("--no-save-rng", help="do not save the RNG states (a resume keeps its fresh ones)")
     g.switch("--async-save", help="write checkpoints in the background")
     g.value("--keep-latest-k", int, help="megatron_opt's own: delete older checkpoints")
 
