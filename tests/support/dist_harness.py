@@ -8,12 +8,16 @@ hits the timeout; the pool is then torn down and rebuilt for the next test.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -49,8 +53,38 @@ def file_rendezvous(parent: Optional[str] = None) -> tuple[str, str]:
     return folder, "file://" + os.path.join(folder, "store")
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
+def _stacks_path(store_dir: str, rank: int) -> str:
+    return os.path.join(store_dir, f"stacks.{rank}")
+
+
+def _live_groups() -> list:
+    from torch.distributed import distributed_c10d
+
+    return [pg for pg in distributed_c10d._world.pg_map if pg is not distributed_c10d.GroupMember.WORLD]
+
+
+def _destroy_groups_created_since(before: set) -> None:
+    """Destroy the process groups a case created (megatron-core's parallel_state alone makes ~37 per
+    layout): gloo keeps threads and sockets per group, and over a whole suite a worker kept thousands
+    of both. megatron-core's parallel_state is reset with them; cases initialise it when they need it."""
+    import torch.distributed as dist
+
+    created = [pg for pg in _live_groups() if pg not in before]
+    if not created:
+        return
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        parallel_state.destroy_model_parallel()  # also destroys its own gloo groups
+    for pg in _live_groups():
+        if pg not in before:
+            dist.destroy_process_group(pg)
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, store_dir: str, conn) -> None:
     add_import_dirs()
+    # On a case timeout the pool signals every rank to write its Python stacks: where a hang is.
+    stacks_file = open(_stacks_path(store_dir, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
 
@@ -68,11 +102,14 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn) -> None:
         if msg is None:
             break
         module, name, args, kwargs = msg
+        groups_before = set(_live_groups())
         try:
             fn = getattr(importlib.import_module(module), name)
-            conn.send(("ok", fn(*args, **kwargs)))
+            reply = ("ok", fn(*args, **kwargs))
         except BaseException:  # report everything, keep serving
-            conn.send(("err", traceback.format_exc()))
+            reply = ("err", traceback.format_exc())
+        _destroy_groups_created_since(groups_before)
+        conn.send(reply)
     dist.destroy_process_group()
 
 
@@ -84,7 +121,7 @@ class WorkerPool:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, self._store_dir, child), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -98,7 +135,8 @@ class WorkerPool:
         for rank, conn in enumerate(self._conns):
             if not conn.poll(timeout):
                 self.broken = True
-                raise RemoteError(f"rank {rank} did not finish {fn.__name__} within {timeout:.0f}s (hang?)")
+                raise RemoteError(f"rank {rank} did not finish {fn.__name__} within {timeout:.0f}s (hang?)\n"
+                                  + self._stacks())
             status, value = conn.recv()
             if status == "ok":
                 results[rank] = value
@@ -107,6 +145,27 @@ class WorkerPool:
         if errors:
             raise RemoteError(f"{fn.__name__} failed at world size {self.world_size}:\n" + "\n".join(errors))
         return results
+
+    def _stacks(self) -> str:
+        """Every live rank's Python stacks (and native ones when py-spy is installed), for a hang report."""
+        for proc in self._procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+        report = []
+        for rank, proc in enumerate(self._procs):
+            try:
+                with open(_stacks_path(self._store_dir, rank)) as f:
+                    stacks = f.read()
+            except OSError as e:
+                stacks = f"(no stacks: {e})"
+            report.append(f"--- rank {rank} (pid {proc.pid}, alive {proc.is_alive()}) ---\n{stacks[-6000:]}")
+            py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+            if proc.is_alive() and os.path.exists(py_spy):
+                native = subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)],
+                                        capture_output=True, text=True, timeout=60)
+                report.append(f"--- rank {rank} py-spy ---\n{(native.stdout + native.stderr)[-8000:]}")
+        return "\n".join(report)
 
     def close(self) -> None:
         if not self.broken:
