@@ -135,9 +135,12 @@ def run_dispatch_order(overlap_with_step: bool) -> dict:
     train_step(chunks, opt, batches)  # warm-up
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         success, _, _ = train_step(chunks, opt, batches)
+        # Wait for the all-gathers inside the profiled region: a gloo Work made while profiling and
+        # freed after the profiler stopped frees the profiler's thread-local state twice (torch 2.13
+        # segfaults in ~ThreadLocalSubqueue, intermittently).
+        for c in chunks:
+            c.finish_param_sync()
     out = {"success": bool(success), "order": _range_names(prof)}
-    for c in chunks:
-        c.finish_param_sync()
     calls = {"first": lambda: chunks[0].start_param_sync(), "last": lambda: chunks[1].start_param_sync(),
              "first_forced": lambda: chunks[0].start_param_sync(force_dispatch=True)}
     for name, call in calls.items():

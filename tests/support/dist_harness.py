@@ -85,6 +85,7 @@ def _worker_main(rank: int, world_size: int, init_method: str, store_dir: str, c
     # On a case timeout the pool signals every rank to write its Python stacks: where a hang is.
     stacks_file = open(_stacks_path(store_dir, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+    faulthandler.enable()  # a crashing rank prints its stacks to stderr
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
 
@@ -137,7 +138,12 @@ class WorkerPool:
                 self.broken = True
                 raise RemoteError(f"rank {rank} did not finish {fn.__name__} within {timeout:.0f}s (hang?)\n"
                                   + self._stacks())
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                self.broken = True
+                self._procs[rank].join(timeout=5)
+                raise RemoteError(f"rank {rank} died in {fn.__name__} (exit code {self._procs[rank].exitcode})")
             if status == "ok":
                 results[rank] = value
             else:
