@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Iterator, Optional, Union, overload
 
 import torch
@@ -35,6 +36,18 @@ from .stats_role import resolve_stats_role
 
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+
+def _grad_accumulated_hook(ddp: "weakref.ref[DistributedDataParallel]"):
+    """The param's post-accumulate-grad hook, holding the wrapper weakly: a strong reference (a bound
+    method) makes param -> hook -> wrapper -> module -> param a cycle through autograd's C++ hook
+    storage, which Python's collector cannot see, so a dropped wrapper, its model, grad buffers and
+    process groups were never freed."""
+    def hook(param: torch.nn.Parameter) -> None:
+        wrapper = ddp()
+        if wrapper is not None:
+            wrapper._on_grad_accumulated(param)
+    return hook
 
 class DistributedDataParallel(torch.nn.Module):
     """Megatron-LM's data-parallel wrapper over grad buffers, for one model chunk.
@@ -143,7 +156,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._storage = {id(p): (p.data_ptr(), p.dtype) for _, p in named}
         for _, p in named:
             p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
-            p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+            p.register_post_accumulate_grad_hook(_grad_accumulated_hook(weakref.ref(self)))
         self._param_wait_hooks: list = []
         if self.ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()

@@ -75,6 +75,9 @@ def _destroy_groups_created_since(before: set) -> None:
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         parallel_state.destroy_model_parallel()  # also destroys its own gloo groups
+        for name, value in list(vars(parallel_state).items()):
+            if isinstance(value, dist.ProcessGroup):  # 0.16.1 forgets _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*
+                setattr(parallel_state, name, None)
     for pg in _live_groups():
         if pg not in before:
             dist.destroy_process_group(pg)
