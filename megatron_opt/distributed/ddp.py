@@ -37,7 +37,6 @@ from .stats_role import resolve_stats_role
 SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-
 def _grad_accumulated_hook(ddp: "weakref.ref[DistributedDataParallel]"):
     """The param's post-accumulate-grad hook, holding the wrapper weakly: a strong reference (a bound
     method) makes param -> hook -> wrapper -> module -> param a cycle through autograd's C++ hook
@@ -48,6 +47,7 @@ def _grad_accumulated_hook(ddp: "weakref.ref[DistributedDataParallel]"):
         if wrapper is not None:
             wrapper._on_grad_accumulated(param)
     return hook
+
 
 class DistributedDataParallel(torch.nn.Module):
     """Megatron-LM's data-parallel wrapper over grad buffers, for one model chunk.

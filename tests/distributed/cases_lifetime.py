@@ -4,7 +4,6 @@ from __future__ import annotations
 import gc
 import weakref
 
-import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
@@ -12,8 +11,9 @@ from common import TinyLM, global_batch, rank_microbatches, token_loss_sum
 
 
 def run_dropped_wrapper_is_freed(overlap: bool) -> dict:
-    """Wrap a model, train one micro-batch, drop everything: the wrapper, the model and the group
-    it reduced over must be collectable (the grad hooks on the params must not keep them)."""
+    """Wrap a model, train one micro-batch, drop both: the wrapper and the model (with them the grad
+    buffers and the group the wrapper holds) must be collectable; the grad hooks on the params must
+    not keep them alive."""
     group = dist.new_group(list(range(dist.get_world_size())))
     lm = TinyLM()
     cfg = mo.DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=overlap,

@@ -69,8 +69,7 @@ def _destroy_groups_created_since(before: set) -> None:
     of both. megatron-core's parallel_state is reset with them; cases initialise it when they need it."""
     import torch.distributed as dist
 
-    created = [pg for pg in _live_groups() if pg not in before]
-    if not created:
+    if all(pg in before for pg in _live_groups()):
         return
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
@@ -171,9 +170,13 @@ class WorkerPool:
             report.append(f"--- rank {rank} (pid {proc.pid}, alive {proc.is_alive()}) ---\n{stacks[-6000:]}")
             py_spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
             if proc.is_alive() and os.path.exists(py_spy):
-                native = subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)],
-                                        capture_output=True, text=True, timeout=60)
-                report.append(f"--- rank {rank} py-spy ---\n{(native.stdout + native.stderr)[-8000:]}")
+                try:
+                    native = subprocess.run([py_spy, "dump", "--native", "--pid", str(proc.pid)],
+                                            capture_output=True, text=True, timeout=60)
+                    native_stacks = native.stdout + native.stderr
+                except subprocess.TimeoutExpired:  # the hang report itself must not hang or mask the error
+                    native_stacks = "(py-spy dump did not finish within 60 s)"
+                report.append(f"--- rank {rank} py-spy ---\n{native_stacks[-8000:]}")
         return "\n".join(report)
 
     def close(self) -> None:
