@@ -46,8 +46,9 @@ the final "done" line then counts the non-finite iterations. Threads: one intra-
 unless OMP_NUM_THREADS is set (the header line says which).
 
 Hangs: every collective gives up after --distributed-timeout-minutes (default 10), and a watchdog ends
-a rank whose step runs longer than max(--watchdog-min-seconds, --watchdog-multiple x the median step
-time) (exit code 3, with a message on stderr; --watchdog-multiple 0 turns it off).
+a rank whose iteration (all of it but evaluation and saves) runs longer than max(--watchdog-min-seconds,
+--watchdog-multiple x the median iteration time) (exit code 3, with a message on stderr;
+--watchdog-multiple 0 turns it off).
 """
 from __future__ import annotations
 
@@ -382,56 +383,69 @@ class Job:
     # ------------------------------------------------------------------------- training
     def train(self) -> bool:
         """The training loop; True when --exit-interval or a signal stopped it early."""
-        args, timers = self.args, self.timers
+        args = self.args
         watchdog = StepWatchdog(self.rank, args.watchdog_multiple, args.watchdog_min_seconds)
         signals = pretrain_resume.SignalExit(args.exit_signal_handler, self.device)
         flops = model_flops_per_iteration(args, self.source.vocab_size)
         interval = pretrain_logging.Interval()
         do_valid = args.eval_iters > 0 and self.source.has_valid
         for step in range(self.iteration + 1, args.train_iters + 1):
-            with timers.time("batch-generator", level=2):
-                batches = [tuple(t.to(self.device) for t in batch)
-                           for batch in self.source.train_batches(self.consumed, args.num_microbatches)]
-            with watchdog.step(step):  # checkpoint saves are not watched (the collective timeout covers them)
-                sync_before = timers.totals["all-grads-sync"]
-                start = time.perf_counter()
-                result = self.train_step(batches)
-                if self.cuda:
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-            timers.close_step(elapsed, sync_before)
-            self.iteration = step
-            self.consumed += args.global_batch_size
-            self.skipped_samples += 0 if result.success else args.global_batch_size
-            self.losses.add(step, result)
-            interval.add(result.loss, result.success, not math.isfinite(result.loss), result.skip_reason, elapsed)
-            norm = pretrain_logging.params_norm(self.model) if args.log_params_norm else None
-            if self.json_log is not None:
-                self.json_log.write(json_record(step, self.consumed, result))
-                self.json_log.flush()
-            if self.tensorboard is not None:
-                memory = pretrain_logging.memory_now(self.device) if args.log_memory_to_tensorboard else (0.0,) * 4
-                self.tensorboard.log(step, self.consumed, result, self.skipped_samples, norm, memory, self.world)
-            if step % args.log_interval == 0:
-                self.log_interval(interval, result, flops, norm)
-                interval.reset()
-            if diverged(result):
-                if args.check_for_nan_in_loss_and_grad:  # every rank has the same loss and skip decision
-                    stop_on_nan(self.rank, step, result, self.checkpointer, self.json_log, self.tensorboard)
-            if do_valid and step % args.eval_interval == 0:
+            # The whole iteration is watched, not only train_step: a stopped peer can leave this rank in any
+            # of its collectives (the log line's memory all-reduce, the signal check).
+            with watchdog.step(step):
+                if self.train_iteration(step, watchdog, signals, flops, interval, do_valid):
+                    return True
+        return False
+
+    def train_iteration(self, step: int, watchdog: StepWatchdog, signals: pretrain_resume.SignalExit, flops: float,
+                        interval: pretrain_logging.Interval, do_valid: bool) -> bool:
+        """One iteration of train(): step, log, evaluate, save; True when the run should stop after it."""
+        args, timers = self.args, self.timers
+        with timers.time("batch-generator", level=2):
+            batches = [tuple(t.to(self.device) for t in batch)
+                       for batch in self.source.train_batches(self.consumed, args.num_microbatches)]
+        sync_before = timers.totals["all-grads-sync"]
+        start = time.perf_counter()
+        result = self.train_step(batches)
+        if self.cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        timers.close_step(elapsed, sync_before)
+        self.iteration = step
+        self.consumed += args.global_batch_size
+        self.skipped_samples += 0 if result.success else args.global_batch_size
+        self.losses.add(step, result)
+        interval.add(result.loss, result.success, not math.isfinite(result.loss), result.skip_reason, elapsed)
+        norm = pretrain_logging.params_norm(self.model) if args.log_params_norm else None
+        if self.json_log is not None:
+            self.json_log.write(json_record(step, self.consumed, result))
+            self.json_log.flush()
+        if self.tensorboard is not None:
+            memory = pretrain_logging.memory_now(self.device) if args.log_memory_to_tensorboard else (0.0,) * 4
+            self.tensorboard.log(step, self.consumed, result, self.skipped_samples, norm, memory, self.world)
+        if step % args.log_interval == 0:
+            self.log_interval(interval, result, flops, norm)
+            interval.reset()
+        if diverged(result):
+            if args.check_for_nan_in_loss_and_grad:  # every rank has the same loss and skip decision
+                stop_on_nan(self.rank, step, result, self.checkpointer, self.json_log, self.tensorboard)
+        if do_valid and step % args.eval_interval == 0:
+            # Evaluation and saves take their own time, unrelated to a step's; the collective timeout covers them.
+            with watchdog.unwatched():
                 self.evaluate("valid", f"iteration {step}", to_tensorboard=True)
-            exiting = args.exit_interval is not None and step % args.exit_interval == 0
-            signalled = signals.agreed()
-            if args.save is not None:
-                self.checkpointer.check_pending_save()  # a failed background save stops every rank here
-                if (args.save_interval and step % args.save_interval == 0) or step == args.train_iters or exiting \
-                        or signalled:
+        exiting = args.exit_interval is not None and step % args.exit_interval == 0
+        signalled = signals.agreed()
+        if args.save is not None:
+            self.checkpointer.check_pending_save()  # a failed background save stops every rank here
+            if (args.save_interval and step % args.save_interval == 0) or step == args.train_iters or exiting \
+                    or signalled:
+                with watchdog.unwatched():
                     self.save()
-            if signalled:
-                self.say(f"exiting after iteration {step}: received SIGTERM (--exit-signal-handler)")
-                return True
-            if exiting:
-                return True
+        if signalled:
+            self.say(f"exiting after iteration {step}: received SIGTERM (--exit-signal-handler)")
+            return True
+        if exiting:
+            return True
         return False
 
 

@@ -19,11 +19,12 @@ class StepWatchdog:
     """Ends this process when a training step runs far longer than the steps before it.
 
     A rank waiting in a collective for a peer that is stopped, hung or gone would otherwise sit there
-    until the process group's timeout. Wrap each step in ``with watchdog.step(iteration):``. The first
-    ``warmup`` steps are neither timed nor watched; from then on a daemon thread checks the running
-    step and, once it has run longer than max(min_seconds, multiple x the median of the recent step
-    times), prints the rank, iteration, elapsed time and median to stderr and calls
-    ``os._exit(EXIT_CODE)``: no clean-up, since the main thread is the one that is stuck.
+    until the process group's timeout. Wrap each iteration in ``with watchdog.step(iteration):`` (all of
+    it: a peer can stop before any of its collectives) and the parts whose length is not a step's in
+    ``with watchdog.unwatched():``. The first ``warmup`` steps are neither timed nor watched; from then
+    on a daemon thread checks the running step and, once it has run longer than max(min_seconds,
+    multiple x the median of the recent step times), prints the rank, iteration, elapsed time and
+    median to stderr and calls ``os._exit(EXIT_CODE)``: no clean-up, since the main thread is the one that is stuck.
     """
 
     EXIT_CODE = 3
@@ -33,6 +34,7 @@ class StepWatchdog:
         self.durations: collections.deque[float] = collections.deque(maxlen=window)
         self.steps_seen = 0
         self.current: tuple[int, float] | None = None  # (iteration, start time) of the watched step
+        self.unwatched_seconds = 0.0  # of the running step, spent in unwatched()
         self.lock = threading.Lock()
         if multiple > 0:
             threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
@@ -42,14 +44,30 @@ class StepWatchdog:
         start, watched = time.monotonic(), self.steps_seen >= self.warmup
         with self.lock:
             self.current = (iteration, start) if watched else None
+            self.unwatched_seconds = 0.0
         try:
             yield
         finally:
             with self.lock:
                 if watched:
-                    self.durations.append(time.monotonic() - start)
+                    self.durations.append(time.monotonic() - start - self.unwatched_seconds)
                 self.current = None
             self.steps_seen += 1
+
+    @contextlib.contextmanager
+    def unwatched(self) -> Iterator[None]:
+        """A part of the step that is neither watched nor timed (evaluation, checkpoint saves): its length
+        has nothing to do with the step's, so it must neither trip the watchdog nor move the median."""
+        with self.lock:
+            paused, self.current = self.current, None
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            seconds = time.monotonic() - start
+            with self.lock:
+                self.unwatched_seconds += seconds
+                self.current = None if paused is None else (paused[0], paused[1] + seconds)
 
     def _watch(self) -> None:
         while True:

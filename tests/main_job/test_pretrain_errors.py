@@ -3,9 +3,10 @@ stops (--check-for-nan-in-loss-and-grad) while an fp16 scaler backoff does not, 
 watchdog ends a rank whose peer has stopped instead of letting it wait for the collective timeout.
 
 Flag checks run in this process (parse_args of the imported script, which is what the script runs
-first) and, for a few, through the real command line: plain python and torchrun. The watchdog test
-runs 2 ranks under torchrun, SIGSTOPs rank 1 once training is under way and expects rank 0 to exit
-with the watchdog's code and message within --watchdog-min-seconds plus some slack.
+first) and, for a few, through the real command line: plain python and torchrun. The watchdog tests
+run the script with a fault put in (pretrain_with_faults.py): 2 ranks under torchrun, rank 1 stops
+itself outside its train step and rank 0 must exit with the watchdog's code and message within
+--watchdog-min-seconds plus some slack; a checkpoint save slower than that must not trip it.
 """
 from __future__ import annotations
 
@@ -161,6 +162,8 @@ def test_fp16_backoff_is_not_a_nan_stop(tmp_path):
 # ----------------------------------------------------------------------------- watchdog
 MIN_SECONDS, MULTIPLE, SLACK_S = 5, 3, 15
 START_TIMEOUT_S = 90
+STOP_AT = 10  # past the watchdog's 3 warm-up steps
+FAULTY_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pretrain_with_faults.py")
 
 
 def _stat(pid: int) -> list[str]:
@@ -219,27 +222,31 @@ def _wait_for(predicate, timeout: float, interval: float = 0.1) -> bool:
 
 @pytest.mark.timeout(240)
 def test_watchdog_ends_a_rank_whose_peer_is_stopped(tmp_path):
-    cmd = [*TORCHRUN, "--nproc_per_node=2", SCRIPT, *SMALL, "--steps", "100000", "--warmup-steps", "1",
+    # Rank 1 stops itself after its train step of STOP_AT, so rank 0 waits in the log line's all-reduce,
+    # outside the train step: the watchdog has to watch the whole iteration (CI once caught it watching
+    # only the step, when a SIGSTOP sent from outside happened to land there).
+    cmd = [*TORCHRUN, "--nproc_per_node=2", FAULTY_SCRIPT, *SMALL, "--steps", "100000", "--warmup-steps", "1",
            "--watchdog-min-seconds", str(MIN_SECONDS), "--watchdog-multiple", str(MULTIPLE)]
+    env = {**ENV, "FAULT_STOP_RANK": "1", "FAULT_STOP_ITERATION": str(STOP_AT)}
     stdout_path, stderr_path = tmp_path / "stdout", tmp_path / "stderr"
     with open(stdout_path, "w") as stdout, open(stderr_path, "w") as stderr:
-        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=ENV, cwd=ROOT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, env=env, cwd=ROOT, start_new_session=True)
     logs = lambda: stdout_path.read_text()[-2000:] + stderr_path.read_text()[-4000:]  # noqa: E731
     workers: dict[int, tuple[int, str]] = {}
     try:
-        # Rank 0 prints every step; wait until the watchdog is past its warm-up and watching.
-        assert _wait_for(lambda: "iteration        8/" in stdout_path.read_text() or proc.poll() is not None,
+        # Rank 0 prints every step; the last line it can print is the one before STOP_AT.
+        assert _wait_for(lambda: f"iteration {STOP_AT - 1:8d}/" in stdout_path.read_text() or proc.poll() is not None,
                          START_TIMEOUT_S, 0.2), "training did not start:\n" + logs()
+        stopped_at = time.monotonic()
         assert proc.poll() is None, "the job ended early:\n" + logs()
         workers = _children_by_rank(proc.pid)
         assert sorted(workers) == [0, 1], (workers, logs())
         (rank0, _), (rank1, _) = workers[0], workers[1]
 
-        os.kill(rank1, signal.SIGSTOP)
-        stopped_at = time.monotonic()
         exited = _wait_for(lambda: not _running(rank0), MIN_SECONDS + SLACK_S)
         waited = time.monotonic() - stopped_at
-        assert exited, f"rank 0 still running {waited:.0f} s after rank 1 was stopped (no watchdog?):\n" + logs()
+        assert exited, f"rank 0 still running {waited:.0f} s after rank 1 stopped (no watchdog?):\n" + logs()
+        assert _stat(rank1)[0] == "T", "rank 1 did not stop itself where the test put the fault"
 
         os.kill(rank1, signal.SIGCONT)  # let the launcher tear the job down
         returncode = proc.wait(timeout=90)
@@ -250,11 +257,11 @@ def test_watchdog_ends_a_rank_whose_peer_is_stopped(tmp_path):
                           r"= ([\d.]+) s\..*Exiting with code 3", err)
         assert match, logs()
         iteration, elapsed, median, limit = int(match[1]), float(match[2]), float(match[3]), float(match[4])
-        assert iteration > 8 and abs(limit - max(MIN_SECONDS, MULTIPLE * median)) < 0.1, match[0]
+        assert iteration == STOP_AT and abs(limit - max(MIN_SECONDS, MULTIPLE * median)) < 0.1, match[0]
         assert limit <= elapsed < limit + 2, match[0]
         # torchrun's failure report names rank 0 with the watchdog's exit code
         assert re.search(r"rank\s*:\s*0 \(local_rank: 0\)\s+exitcode\s*:\s*3\b", err), logs()
-        print(f"rank 0 exited {waited:.1f} s after SIGSTOP of rank 1 (iteration {iteration}, median {median:.3f} s)")
+        print(f"rank 0 exited {waited:.1f} s after rank 1 stopped (iteration {iteration}, median {median:.3f} s)")
     finally:
         _kill_workers({**(_children_by_rank(proc.pid) if proc.poll() is None else {}), **workers})
         for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -263,3 +270,31 @@ def test_watchdog_ends_a_rank_whose_peer_is_stopped(tmp_path):
             except ProcessLookupError:
                 pass
         proc.wait(timeout=30)
+
+
+def test_a_slow_checkpoint_save_does_not_trip_the_watchdog(tmp_path):
+    """Saves (and evaluation) run inside the iteration but unwatched: a save slower than
+    --watchdog-min-seconds finishes, and the run with it."""
+    out = subprocess.run([*TORCHRUN, "--nproc_per_node=1", FAULTY_SCRIPT, *SMALL, "--steps", "8", "--warmup-steps", "1",
+                          "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
+                          "--watchdog-min-seconds", "1", "--watchdog-multiple", "3"],
+                         capture_output=True, text=True, timeout=180, env={**ENV, "FAULT_SLOW_SAVE_SECONDS": "2.5"},
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[watchdog]" not in out.stderr and "done:" in out.stdout, out.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000004", "iter_0000008"]
+
+
+def test_unwatched_time_is_not_step_time():
+    """The median the limit scales with leaves out unwatched time, so a slow save cannot raise it."""
+    from step_watchdog import StepWatchdog  # scripts/ is on sys.path (load_pretrain_gpt)
+
+    watchdog = StepWatchdog(rank=0, multiple=0, min_seconds=1, warmup=0)  # multiple 0: no watching thread
+    with watchdog.step(1):
+        time.sleep(0.05)
+        with watchdog.unwatched():
+            assert watchdog.current is None
+            time.sleep(0.5)
+        assert watchdog.current is not None and watchdog.current[0] == 1
+    assert len(watchdog.durations) == 1 and 0.04 < watchdog.durations[0] < 0.3, list(watchdog.durations)
