@@ -82,7 +82,6 @@ import torch.distributed.checkpoint as dcp
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
 from bench_common import fmt_range, gloo_cpu_description, load_average, max_min_over_ranks  # scripts/bench_common.py
-from megatron_opt.checkpoint import directory
 from peak_memory import PeakMemory  # scripts/peak_memory.py
 
 
@@ -115,7 +114,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------- files
 def rank_files_bytes(folder: Path, rank: int) -> int:
-    return sum(p.stat().st_size for p in directory.data_files_of_rank(folder, rank))
+    """The bytes of a rank's DCP data files (DCP's FileSystemWriter names them __<rank>_<n>.distcp)."""
+    return sum(p.stat().st_size for p in folder.glob(f"__{rank}_*.distcp"))
 
 
 def drop_page_cache(folder: Path) -> None:
@@ -205,7 +205,7 @@ class MegatronCheckpoint(Impl):
         self.checkpointer = ckpt.Checkpointer()
 
     def folder(self, it):
-        return directory.iteration_dir(self.root, it)
+        return ckpt.resolve(self.root, it)
 
     def save(self, it):
         self.checkpointer.save(self.root, self.src.ddp, self.src.opt, iteration=it)
@@ -504,7 +504,7 @@ def main() -> None:
         p.error("--repeats must be at least 1")
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     load_at_start = load_average()
 
     base = [tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.dir) if rank == 0 else None]

@@ -284,8 +284,7 @@ class Job:
             if args.load is not None:
                 self.say(f"pretrain_gpt.py: --load {args.load}: no checkpoint ({args.load_note}); training from scratch")
             return
-        manifest = mo.checkpoint.directory.read_manifest(mo.checkpoint.resolve(args.load))
-        has_optimizer = "optimizer" in manifest["fingerprint"]
+        has_optimizer = mo.checkpoint.read_info(args.load).has_optimizer
         if not has_optimizer and not args.no_load_optim:
             self.say(f"note: {args.load} has no optimizer state (saved with --no-save-optim): loading the model and "
                      f"schedule, the optimizer starts fresh")

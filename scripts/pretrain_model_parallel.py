@@ -50,7 +50,6 @@ import torch.distributed as dist
 
 import megatron_opt as mo
 import megatron_opt.checkpoint  # noqa: F401  (mo.checkpoint)
-from megatron_opt.checkpoint import directory, param_layout
 from megatron_opt.megatron import arguments as megatron_args
 import pretrain_data
 import pretrain_eval
@@ -131,8 +130,7 @@ def check_checkpoint_args(args: argparse.Namespace) -> Optional[str]:
     if not model_parallel(args):
         return None
     if args.load_iteration is not None:
-        manifest = directory.read_manifest(mo.checkpoint.resolve(args.load))
-        if manifest.get("param_keys", param_layout.LOCAL) == param_layout.LOCAL:
+        if not mo.checkpoint.read_info(args.load).global_param_keys:
             return (f"--load {args.load}: iteration {args.load_iteration} names its params locally (saved at data "
                     f"parallelism: by this script's own GPT, or by megatron-core's GPTModel at TP1 x PP1 x EP1), so it "
                     f"cannot be placed in a tensor, pipeline or expert-parallel layout; load it at TP1 x PP1 x EP1 "

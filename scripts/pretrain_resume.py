@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 import megatron_opt as mo
 import megatron_opt.checkpoint  # noqa: F401  (mo.checkpoint)
-from megatron_opt.checkpoint import directory
 
 # The scheduler's values that define the schedule (what Megatron-LM's _check_and_set compares).
 SCHEDULE_FIELDS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps", "lr_decay_style",
@@ -47,9 +46,9 @@ def newest_iteration(root: str) -> Optional[int]:
     path = Path(root)
     if not path.is_dir():
         return None
-    known = directory.complete_iterations(path)
+    known = mo.checkpoint.complete_iterations(path)
     try:
-        tracker = directory.read_tracker(path)
+        tracker = mo.checkpoint.latest_iteration(path)
     except ValueError:
         tracker = None
     candidates = known + ([tracker] if tracker is not None else [])
@@ -66,22 +65,21 @@ def find_load(args: argparse.Namespace) -> Optional[str]:
     try:
         folder = mo.checkpoint.resolve(root)
     except FileNotFoundError as exc:
-        tracker_named = (root / directory.TRACKER).exists()
+        tracker_named = (root / mo.checkpoint.TRACKER).exists()
         if tracker_named:  # the tracker names an iteration whose folder is gone or incomplete
             return f"--load {args.load}: {exc}; the tracker points at a checkpoint that is not there"
         args.load_note = ("the folder does not exist" if not root.exists() else
                           "the folder is empty" if not any(root.iterdir()) else
-                          f"it holds no {directory.TRACKER} and no complete iter_* folder")
+                          f"it holds no {mo.checkpoint.TRACKER} and no complete iter_* folder")
         if args.exit_on_missing_checkpoint:
             return f"--load {args.load}: no checkpoint ({args.load_note}); --exit-on-missing-checkpoint is set"
         return None
     except ValueError as exc:  # a tracker that is not a number
         return f"--load {args.load}: {exc}"
     try:
-        args.load_iteration = int(directory.read_manifest(folder)["iteration"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return (f"--load {args.load}: {folder / directory.MANIFEST} cannot be read ({type(exc).__name__}: {exc}); "
-                f"the checkpoint is damaged: load another iteration (--load {folder.parent}/iter_...)")
+        args.load_iteration = mo.checkpoint.read_info(folder).iteration
+    except mo.CheckpointError as exc:
+        return f"--load {args.load}: {exc}"
     return None
 
 

@@ -99,7 +99,8 @@ def commit(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
 
 
-def complete_iterations(root: Path) -> list[int]:
+def complete_iterations(root: Union[str, Path]) -> list[int]:
+    """The iterations whose folders are complete (hold a manifest), oldest first."""
     out = []
     for child in Path(root).glob("iter_*"):
         if child.is_dir() and child.name[5:].isdigit() and (child / MANIFEST).exists():
@@ -179,7 +180,7 @@ def resolve(path: Union[str, Path], iteration: Optional[int] = None) -> Path:
 
 
 def latest_iteration(path: Union[str, Path]) -> Optional[int]:
-    """The iteration the tracker names (None when there is no checkpoint)."""
+    """The iteration the tracker names (None when there is no tracker; ValueError when it holds no number)."""
     return read_tracker(Path(path))
 
 

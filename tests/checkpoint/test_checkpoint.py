@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
 from megatron_opt.optimizer.boxes import flat_range_to_boxes
@@ -229,9 +230,22 @@ def test_async_save_equals_sync_save(pools, tmp_path):
 # ----------------------------------------------------------------------------- retention, export, old API
 def test_keep_latest_k_and_tracker(pools, tmp_path):
     pools(2).run(cc.save_iterations, str(tmp_path), [1, 2, 3, 4], 2)
-    assert directory.complete_iterations(tmp_path) == [3, 4]
+    assert ckpt.complete_iterations(tmp_path) == [3, 4]
     assert ckpt.latest_iteration(tmp_path) == 4
     assert not list(tmp_path.glob(".tmp_iter_*"))
+
+    # read_info describes what a load would read, without a process group or loading anything
+    info = ckpt.read_info(tmp_path)
+    assert (info.folder, info.iteration, info.has_optimizer, info.has_scheduler) == \
+        (ckpt.resolve(tmp_path), 4, True, True), info
+    assert (info.data_parallel_size, info.world_size, info.global_param_keys) == (2, 2, False), info
+    assert ckpt.read_info(tmp_path, 3).iteration == 3 and ckpt.read_info(info.folder).iteration == 4
+    (info.folder / directory.MANIFEST).write_text('{"iteration": 4')  # a manifest cut short
+    with pytest.raises(mo.CheckpointError, match=r"megatron_opt_manifest.json cannot be read .*the checkpoint is "
+                                                 r"damaged: load another iteration"):
+        ckpt.read_info(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        ckpt.read_info(tmp_path / "typo")
 
 
 def test_export_cli_writes_a_plain_state_dict(pools, tmp_path):
@@ -294,8 +308,8 @@ def test_an_older_checkpoint_still_loads(pools, tmp_path):
 
 def test_the_manifest_records_the_data_parallel_size_not_the_world_size(pools, tmp_path):
     pools(2).run(cc.data_parallel_inside_a_larger_world, str(tmp_path), "save")
-    manifest = directory.read_manifest(directory.iteration_dir(tmp_path, 1))
-    assert manifest["data_parallel_size"] == 1 and manifest["world_size"] == 2, manifest
+    info = ckpt.read_info(tmp_path)
+    assert info.data_parallel_size == 1 and info.world_size == 2, info
     for res in pools(2).run(cc.data_parallel_inside_a_larger_world, str(tmp_path), "load"):
         assert res == dict(saved_dp=1, saved_world=2, rng=True), res
 

@@ -16,6 +16,17 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHON
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
+def write_fake_manifest(folder, iteration: int) -> None:
+    """An iter_* folder that a launch-time check takes for a complete checkpoint saved at data
+    parallelism: a manifest with what megatron_opt.checkpoint.read_info reads, and no data files."""
+    from megatron_opt.checkpoint import directory  # the on-disk names
+
+    os.makedirs(folder, exist_ok=True)
+    manifest = {"iteration": iteration, "fingerprint": {"params": [], "optimizer": {}}, "scheduler": True,
+                "data_parallel_size": 2, "world_size": 2, "param_keys": "local", "model_parallel_sizes": None}
+    directory.write_manifest(folder, manifest)
+
+
 def load_pretrain_gpt() -> ModuleType:
     """The script as a module, as it runs (its own folder first on sys.path), without running main()."""
     if SCRIPTS not in sys.path:

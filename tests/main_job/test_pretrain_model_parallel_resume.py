@@ -12,7 +12,6 @@ refused at a model-parallel layout, before anything runs.
 from __future__ import annotations
 
 import importlib.util
-import json
 import warnings
 
 import pytest
@@ -21,8 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import megatron_opt.checkpoint as ckpt
-from megatron_opt.checkpoint import directory  # the folder layout's names (tracker, manifest)
-from main_job_script import load_pretrain_gpt
+from main_job_script import load_pretrain_gpt, write_fake_manifest
 # the model-parallel test's tiny model (4 iterations), launcher and fp32 reduction-order tolerances
 from test_pretrain_model_parallel import LOSS_RTOL, NORM_RTOL, _pretrain
 
@@ -48,8 +46,8 @@ def saved(tmp_path_factory) -> dict:
     assert f"pretrain_gpt.py: --load {folder}: no checkpoint (the folder does not exist); training from scratch" \
         in stdout, stdout
     assert ckpt.latest_iteration(folder) == 4 and (folder / f"iter_{SAVED_AT:07d}").is_dir()
-    manifest = directory.read_manifest(folder / f"iter_{SAVED_AT:07d}")
-    assert manifest["param_keys"] == "megatron_core" and manifest["world_size"] == 4, manifest
+    info = ckpt.read_info(folder, SAVED_AT)
+    assert info.global_param_keys and info.world_size == 4, info
     return {"tmp": tmp, "folder": folder, "records": _by_iteration(records)}
 
 
@@ -127,7 +125,6 @@ def test_save_and_load_rules_before_anything_runs(saved, tmp_path, monkeypatch, 
     assert (f"--save {folder} already holds iteration 4, newer than this run's start (it resumes from iteration "
             f"{SAVED_AT} of --load {folder / f'iter_{SAVED_AT:07d}'})") in err, err
     local = tmp_path / "local" / "iter_0000003"  # as megatron_opt.checkpoint writes at data parallelism
-    local.mkdir(parents=True)
-    (local / directory.MANIFEST).write_text(json.dumps({"iteration": 3, "param_keys": "local"}))
+    write_fake_manifest(local, 3)
     err = _refused(monkeypatch, capsys, 2, ["--tensor-model-parallel-size", "2", "--load", str(local.parent)])
     assert f"--load {local.parent}: iteration 3 names its params locally" in err, err

@@ -20,25 +20,22 @@ import pytest
 
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
-from megatron_opt.checkpoint import directory  # the folder layout's names (tracker, manifest)
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines, write_fake_manifest
 from megatron_opt.megatron import arguments as megatron_args
 
 pretrain_gpt = load_pretrain_gpt()
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "12", "--lr", "3e-3", "--lr-warmup-iters", "1",
          "--eval-iters", "0"]
-TRACKER = directory.TRACKER
+TRACKER = ckpt.TRACKER
 
 
 def _fake_checkpoint(root, iterations: list[int], tracker: bool = True) -> None:
     """iter_* folders with a manifest (what marks one complete), and the tracker at the newest."""
     for it in iterations:
-        folder = root / f"iter_{it:07d}"
-        folder.mkdir(parents=True)
-        (folder / directory.MANIFEST).write_text(json.dumps({"iteration": it}))
+        write_fake_manifest(root / f"iter_{it:07d}", it)
     if tracker:
-        (root / directory.TRACKER).write_text(f"{max(iterations)}\n")
+        (root / ckpt.TRACKER).write_text(f"{max(iterations)}\n")
 
 
 def _parse(monkeypatch, flags: list[str]):
