@@ -86,49 +86,52 @@ def _identity(group: dict) -> tuple:
     return tuple(group.get(k, group.get(f"pre_{k}")) for k in GROUP_IDENTITY)
 
 
+def _matched_groups(optimizer: Any, saved_groups: list[dict]) -> list[dict]:
+    """``optimizer``'s param groups (without 'params') holding the values of the saved group with the
+    same megatron-core identity key; a group the checkpoint lacks keeps its own values, as its lr and
+    weight decay come from the schedule."""
+    by_identity: dict[tuple, dict] = {}
+    for g in saved_groups:
+        by_identity.setdefault(_identity(g), g)
+    return [{k: by_identity.get(_identity(g), {}).get(k, v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _one_update_count(steps: list[int], leaves: int) -> list[int]:
+    """The saved update counts, written by a chain split into other leaves, given to each of ``leaves``:
+    the one count they share. ValueError when they disagree (no leaf can then be told which is its own)."""
+    counts = sorted(set(steps))
+    if len(counts) > 1:
+        raise ValueError(f"the checkpoint's optimizer parts disagree on the update count ({counts}) and this "
+                         f"optimizer is split into other parts ({leaves}): load it in the layout that saved it "
+                         f"(the same expert-parallel split)")
+    return counts * leaves
+
+
 def regrouped_scalar_state(optimizer: Any, saved: dict[str, Any]) -> dict[str, Any]:
     """``saved`` (a scalar_state() of this model's optimizer in another layout, whose chain had other
     leaves and groups: e.g. the experts' own at expert parallelism) fitted to ``optimizer``: param
-    groups matched by megatron-core's identity keys (a group the checkpoint lacks keeps its values, as
-    its lr and weight decay come from the schedule), the one update count on every leaf. ValueError
-    when the saved leaves disagree on the update count (then no leaf can be told which is its own)."""
-    by_identity: dict[tuple, dict] = {}
-    for g in saved["param_groups"]:
-        by_identity.setdefault(_identity(g), g)
-    groups = [{k: by_identity.get(_identity(g), {}).get(k, v) for k, v in g.items() if k != "params"}
-              for g in optimizer.param_groups]
-    counts = sorted({int(s) for s in saved["steps"]})
-    if len(counts) > 1:
-        raise ValueError(f"its optimizer's parts disagree on the update count ({counts}), and this optimizer is split "
-                         f"into other parts ({len(optimizer.scalar_state()['steps'])}): load it in the layout that "
-                         f"saved it (the same expert-parallel split)")
-    steps = counts * len(optimizer.scalar_state()["steps"]) if counts else optimizer.scalar_state()["steps"]
-    return {**saved, "param_groups": groups, "steps": steps}
+    groups matched by identity, the one update count on every leaf (ValueError when they disagree)."""
+    own_steps = optimizer.scalar_state()["steps"]
+    steps = _one_update_count([int(s) for s in saved["steps"]], len(own_steps)) if saved["steps"] else own_steps
+    return {**saved, "param_groups": _matched_groups(optimizer, saved["param_groups"]), "steps": steps}
 
 
 def scalar_state_from(child: Any, common: dict) -> dict[str, Any]:
     """The scalar_state() to load into ``child`` from a loaded common state: saved param groups matched
-    to this optimizer's by megatron-core's identity keys (a group the checkpoint lacks keeps its values,
-    as its lr and weight decay come from the schedule), the update count, the loss scaler."""
+    by identity, the update count, the loss scaler."""
     inner = common.get("optimizer")
     if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
         raise ValueError("the optimizer state dict has no 'optimizer' / 'param_groups' (megatron-core's "
                          "DistributedOptimizer.state_dict() part)")
     ours = inner.get("megatron_opt")
-    saved = {_identity(g): g for g in (ours["param_groups"] if ours else inner["param_groups"])}
-    groups = []
-    for g in child.param_groups:
-        match = saved.get(_identity(g), {})
-        groups.append({k: match.get(k, v) for k, v in g.items() if k != "params"})
+    groups = _matched_groups(child, ours["param_groups"] if ours else inner["param_groups"])
     if ours:
         steps = [int(s) for s in ours["steps"]]
         skipped = int(ours.get("skipped_steps", 0))
         leaves = len(child.scalar_state()["steps"])
-        if len(steps) != leaves:  # saved by a chain split otherwise: one update count for all
-            if len(set(steps)) > 1:
-                raise ValueError(f"the checkpoint's optimizer parts disagree on the update count ({sorted(set(steps))}) "
-                                 f"and this optimizer is split otherwise: load it in the layout that saved it")
-            steps = steps[:1] * leaves
+        if len(steps) != leaves:
+            steps = _one_update_count(steps, leaves)
     else:  # written by megatron-core: the update count rides in every param group
         counts = {int(g["step"]) for g in inner["param_groups"] if g.get("step") is not None}
         if len(counts) > 1:
