@@ -127,7 +127,15 @@ def _megatron_core_placements(chunks: Sequence[GradSource]) -> dict[str, Placeme
     by_id: dict[int, Any] = {}
     for chunk in chunks:
         by_id.update(model_params_by_identity(_module(chunk).sharded_state_dict()))
-    return {e.key: _megatron_core_placement(e.key, by_id.get(id(e.param))) for e in param_entries(chunks)}
+    out = {e.key: _megatron_core_placement(e.key, by_id.get(id(e.param))) for e in param_entries(chunks)}
+    first_with: dict[str, str] = {}
+    for local_key, place in out.items():
+        other = first_with.setdefault(place.key, local_key)
+        if other != local_key:  # DCP would then wait for a write or read that never comes
+            raise CheckpointError(f"params {other!r} and {local_key!r} both have the global key {place.key!r} in "
+                                  f"their modules' sharded_state_dict(); each param needs a key of its own (check "
+                                  f"the modules' sharded_state_dict, e.g. a stacked layer or expert axis left out)")
+    return out
 
 
 def placements(chunks: Sequence[GradSource], kind: str, model_parallel: bool) -> dict[str, Placement]:

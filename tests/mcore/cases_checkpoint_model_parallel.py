@@ -18,6 +18,7 @@ stage's tied output weight left out).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -190,6 +191,34 @@ def run_save_refused(path: str) -> str:
         chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // 2)
         for ddp in ddps:  # the same modules, but their sharded_state_dict() hidden: "not megatron-core's"
             ddp.module.sharded_state_dict = None
+        try:
+            megatron_opt.checkpoint.save(f"{path}/refused", ddps, opt, sched, iteration=1)
+        except megatron_opt.errors.CheckpointError as exc:
+            return str(exc)
+    return ""
+
+
+def run_save_with_a_key_twice(path: str) -> str:
+    """megatron_opt.checkpoint.save at TP2 where rank 0's module gives two params the same global key in
+    its sharded_state_dict() (a module's bug): the error, on every rank, instead of DCP waiting forever."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    layout = LAYOUTS["tp2"]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched = _build(layout, whole, dist.get_world_size() // 2)
+        module = ddps[0].module
+        own, params = module.sharded_state_dict, {id(p) for p in module.parameters()}
+
+        def with_a_key_twice(*args: Any, **kwargs: Any) -> dict:
+            sd = own(*args, **kwargs)
+            if dist.get_rank() == 0:
+                names = [k for k, v in sd.items() if isinstance(v, ShardedTensor) and id(v.data) in params]
+                sd[names[1]] = dataclasses.replace(sd[names[1]], key=sd[names[0]].key)
+            return sd
+
+        module.sharded_state_dict = with_a_key_twice
         try:
             megatron_opt.checkpoint.save(f"{path}/refused", ddps, opt, sched, iteration=1)
         except megatron_opt.errors.CheckpointError as exc:

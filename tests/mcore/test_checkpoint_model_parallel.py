@@ -67,6 +67,12 @@ def test_model_parallel_save_over_modules_without_sharded_state_dict_is_refused(
         messages
 
 
+def test_two_params_with_one_global_key_are_refused_on_every_rank(pools, tmp_path):
+    messages = pools(4).run(ccmp.run_save_with_a_key_twice, str(tmp_path))
+    assert len(set(messages)) == 1 and "both have the global key" in messages[0] and "rank 0" in messages[0], \
+        messages
+
+
 def test_megatron_core_rng_tracker_streams_come_back_per_rank(pools, tmp_path):
     """The dropout streams of megatron-core's RNG tracker are saved per rank and restored at the same
     layout (each TP rank its own); save_rng=False (--no-save-rng) leaves the generators as they are."""
