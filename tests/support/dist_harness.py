@@ -63,6 +63,24 @@ def _live_groups() -> list:
     return [pg for pg in distributed_c10d._world.pg_map if pg is not distributed_c10d.GroupMember.WORLD]
 
 
+def _release_megatron_core_wrappers() -> None:
+    """Empty the megatron-core DistributedDataParallel wrappers a case left behind (its calibration
+    runs). megatron-core 0.16.1's wrapper is never freed: its grad hooks sit on autograd's C++
+    AccumulateGrad nodes, which its fp32 optimizer shards (param views with autograd history) keep
+    alive, a cycle Python's collector cannot see. The model, buffers and process groups (with their
+    gloo threads) would outlive the case; an empty wrapper holds none of them."""
+    module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if module is None:
+        return
+    import gc
+
+    gc.collect()
+    for obj in gc.get_objects():
+        if isinstance(obj, module.DistributedDataParallel):
+            obj.__dict__.clear()
+    gc.collect()
+
+
 def _destroy_groups_created_since(before: set) -> None:
     """Destroy the process groups a case created (megatron-core's parallel_state alone makes ~37 per
     layout): gloo keeps threads and sockets per group, and over a whole suite a worker kept thousands
@@ -73,6 +91,7 @@ def _destroy_groups_created_since(before: set) -> None:
         return
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
+        _release_megatron_core_wrappers()
         parallel_state.destroy_model_parallel()  # also destroys its own gloo groups
         for name, value in list(vars(parallel_state).items()):
             if isinstance(value, dist.ProcessGroup):  # 0.16.1 forgets _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP*
