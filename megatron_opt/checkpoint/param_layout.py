@@ -131,7 +131,7 @@ def _megatron_core_placements(chunks: Sequence[GradSource]) -> dict[str, Placeme
     first_with: dict[str, str] = {}
     for local_key, place in out.items():
         other = first_with.setdefault(place.key, local_key)
-        if other != local_key:  # DCP would then wait for a write or read that never comes
+        if other != local_key:  # a save would write one over the other; a load would wait in DCP
             raise CheckpointError(f"params {other!r} and {local_key!r} both have the global key {place.key!r} in "
                                   f"their modules' sharded_state_dict(); each param needs a key of its own (check "
                                   f"the modules' sharded_state_dict, e.g. a stacked layer or expert axis left out)")
