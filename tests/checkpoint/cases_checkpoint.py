@@ -157,7 +157,7 @@ def async_save_failure(path: str) -> dict:
                 error = str(exc)
     finally:
         directory.sha256_of = real
-    return dict(error=error, tracker=directory.read_tracker(path))
+    return dict(error=error, tracker=ckpt.latest_iteration(path))
 
 
 def async_save_overlaps_training(path: str) -> dict:

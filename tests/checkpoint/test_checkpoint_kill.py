@@ -119,7 +119,7 @@ def _load_ranks(prefix: Path) -> list:
 def _inspect(root: Path) -> dict:
     """What a killed save left: the tracker, and for each iter_* entry whether it is complete and intact."""
     try:
-        tracker: Optional[int] = directory.read_tracker(root)
+        tracker: Optional[int] = ckpt.latest_iteration(root)
     except ValueError as exc:
         tracker = f"unreadable: {exc}"  # type: ignore[assignment]
     folders = {}
