@@ -277,8 +277,8 @@ def test_a_slow_checkpoint_save_does_not_trip_the_watchdog(tmp_path):
     --watchdog-min-seconds finishes, and the run with it."""
     out = subprocess.run([*TORCHRUN, "--nproc_per_node=1", FAULTY_SCRIPT, *SMALL, "--steps", "8", "--warmup-steps", "1",
                           "--save", str(tmp_path / "ckpt"), "--save-interval", "4",
-                          "--watchdog-min-seconds", "1", "--watchdog-multiple", "3"],
-                         capture_output=True, text=True, timeout=180, env={**ENV, "FAULT_SLOW_SAVE_SECONDS": "2.5"},
+                          "--watchdog-min-seconds", "2", "--watchdog-multiple", "3"],
+                         capture_output=True, text=True, timeout=180, env={**ENV, "FAULT_SLOW_SAVE_SECONDS": "3"},
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[watchdog]" not in out.stderr and "done:" in out.stdout, out.stderr[-3000:]
@@ -295,6 +295,6 @@ def test_unwatched_time_is_not_step_time():
         time.sleep(0.05)
         with watchdog.unwatched():
             assert watchdog.current is None
-            time.sleep(0.5)
+            time.sleep(1.0)
         assert watchdog.current is not None and watchdog.current[0] == 1
-    assert len(watchdog.durations) == 1 and 0.04 < watchdog.durations[0] < 0.3, list(watchdog.durations)
+    assert len(watchdog.durations) == 1 and 0.04 < watchdog.durations[0] < 0.9, list(watchdog.durations)
