@@ -221,11 +221,7 @@ class Checkpointer:
 
         def find() -> tuple[Path, dict, str, dict]:
             folder = directory.resolve(path, iteration)
-            try:
-                manifest = directory.read_manifest(folder)
-            except Exception as exc:
-                raise CheckpointError(f"{folder / directory.MANIFEST} cannot be read ({type(exc).__name__}: "
-                                      f"{exc})") from None
+            manifest = directory.read_manifest(folder)
             where = folder / directory.MANIFEST
             return (folder, manifest, *_placements(chunks, manifest.get("param_keys", param_layout.LOCAL),
                                                    model_parallel, where))

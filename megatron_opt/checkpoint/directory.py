@@ -18,6 +18,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
+from ..errors import CheckpointError
+
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "megatron_opt_manifest.json"
 METADATA = ".metadata"  # DCP's index of the data files (written by the coordinator, rank 0)
@@ -68,8 +70,22 @@ def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:
     write_file_atomically(Path(folder) / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
 
+def damaged_manifest(folder: Path, exc: BaseException) -> CheckpointError:
+    """The error for a manifest that cannot be read or lacks what it must hold, with the fix."""
+    folder = Path(folder)
+    return CheckpointError(f"{folder / MANIFEST} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is "
+                           f"damaged: load another iteration ({folder.parent}/iter_...)")
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
-    return json.loads((Path(folder) / MANIFEST).read_text())
+    """The folder's manifest; CheckpointError when it cannot be read or is not a JSON object."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise damaged_manifest(folder, exc) from None
+    if not isinstance(manifest, dict):
+        raise damaged_manifest(folder, TypeError(f"a JSON {type(manifest).__name__}, not an object"))
+    return manifest
 
 
 def replaced_dir(final: Path) -> Path:
@@ -185,5 +201,6 @@ def latest_iteration(path: Union[str, Path]) -> Optional[int]:
 
 
 __all__ = ["TRACKER", "MANIFEST", "METADATA", "iteration_dir", "temporary_dir", "read_tracker", "write_tracker",
-           "write_manifest", "read_manifest", "commit", "complete_iterations", "prune", "remove_stale_temporaries",
-           "sha256_of", "data_files_of_rank", "files_to_hash", "resolve", "latest_iteration", "write_file_atomically"]
+           "write_manifest", "read_manifest", "damaged_manifest", "commit", "complete_iterations", "prune",
+           "remove_stale_temporaries", "sha256_of", "data_files_of_rank", "files_to_hash", "resolve",
+           "latest_iteration", "write_file_atomically"]

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import CheckpointError
 from . import directory, param_layout
 
 
@@ -28,15 +27,13 @@ def read_info(path: Union[str, Path], iteration: Optional[int] = None) -> Checkp
     """The checkpoint ``resolve(path, iteration)`` picks, described. FileNotFoundError when there is
     none; CheckpointError when its manifest cannot be read (a damaged folder: load another iteration)."""
     folder = directory.resolve(path, iteration)
+    manifest = directory.read_manifest(folder)
     try:
-        manifest = directory.read_manifest(folder)
         return CheckpointInfo(
             folder=folder, iteration=int(manifest["iteration"]),
             has_optimizer="optimizer" in manifest["fingerprint"], has_scheduler=bool(manifest.get("scheduler")),
             data_parallel_size=int(manifest["data_parallel_size"]), world_size=int(manifest["world_size"]),
             model_parallel_sizes=manifest.get("model_parallel_sizes"),
             global_param_keys=manifest.get("param_keys", param_layout.LOCAL) != param_layout.LOCAL)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"{folder / directory.MANIFEST} cannot be read ({type(exc).__name__}: {exc}); the checkpoint is damaged: "
-            f"load another iteration ({folder.parent}/iter_...)") from exc
+    except (ValueError, KeyError, TypeError) as exc:  # a field missing or of the wrong type
+        raise directory.damaged_manifest(folder, exc) from None

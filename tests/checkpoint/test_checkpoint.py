@@ -130,6 +130,8 @@ def _damage(folder, how: str) -> None:
             f.write(bytes([byte[0] ^ 0xFF]))
     elif how == "missing_manifest":
         (folder / directory.MANIFEST).unlink()
+    elif how == "garbled_manifest":
+        (folder / directory.MANIFEST).write_text("[1, 2")
     elif how == "truncated_metadata":
         with open(folder / ".metadata", "r+b") as f:
             f.truncate(10)
@@ -159,8 +161,8 @@ def _as_an_older_manifest(folder) -> None:
     directory.write_manifest(folder, manifest)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing_file", "corrupt", "missing_manifest", "truncated_metadata",
-                                    "altered_metadata", "wrong_model", "no_checkpoint"])
+@pytest.mark.parametrize("damage", ["truncated", "missing_file", "corrupt", "missing_manifest", "garbled_manifest",
+                                    "truncated_metadata", "altered_metadata", "wrong_model", "no_checkpoint"])
 def test_damaged_checkpoint_raises_everywhere_and_changes_nothing(pools, tmp_path, damage):
     pool = pools(2)
     pool.run(cc.save_after_steps, str(tmp_path), "fp32", 1)
@@ -171,7 +173,9 @@ def test_damaged_checkpoint_raises_everywhere_and_changes_nothing(pools, tmp_pat
         _damage(folder, damage)
     results = pool.run(cc.load_damaged, str(tmp_path), damage, timeout=60)
     expect = {"truncated": "truncated", "missing_file": "is missing", "corrupt": "corrupt",
-              "missing_manifest": "not a complete checkpoint", "truncated_metadata": ".metadata is corrupt",
+              "missing_manifest": "not a complete checkpoint",
+              "garbled_manifest": "megatron_opt_manifest.json cannot be read (JSONDecodeError",
+              "truncated_metadata": ".metadata is corrupt",
               "altered_metadata": ".metadata is corrupt",
               "wrong_model": "different model", "no_checkpoint": "no checkpoint"}[damage]
     for res in results:
@@ -243,6 +247,9 @@ def test_keep_latest_k_and_tracker(pools, tmp_path):
     (info.folder / directory.MANIFEST).write_text('{"iteration": 4')  # a manifest cut short
     with pytest.raises(mo.CheckpointError, match=r"megatron_opt_manifest.json cannot be read .*the checkpoint is "
                                                  r"damaged: load another iteration"):
+        ckpt.read_info(tmp_path)
+    (info.folder / directory.MANIFEST).write_text("[4]")  # valid JSON, but not the manifest's object
+    with pytest.raises(mo.CheckpointError, match=r"cannot be read \(TypeError: a JSON list, not an object\)"):
         ckpt.read_info(tmp_path)
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         ckpt.read_info(tmp_path / "typo")
