@@ -24,7 +24,8 @@ class StepWatchdog:
     ``with watchdog.unwatched():``. The first ``warmup`` steps are neither timed nor watched; from then
     on a daemon thread checks the running step and, once it has run longer than max(min_seconds,
     multiple x the median of the recent step times), prints the rank, iteration, elapsed time and
-    median to stderr and calls ``os._exit(EXIT_CODE)``: no clean-up, since the main thread is the one that is stuck.
+    median to stderr and calls ``os._exit(EXIT_CODE)``: no clean-up, since the main thread is the one
+    that is stuck.
     """
 
     EXIT_CODE = 3
@@ -33,24 +34,22 @@ class StepWatchdog:
         self.rank, self.multiple, self.min_seconds, self.warmup = rank, multiple, min_seconds, warmup
         self.durations: collections.deque[float] = collections.deque(maxlen=window)
         self.steps_seen = 0
-        self.current: tuple[int, float] | None = None  # (iteration, start time) of the watched step
-        self.unwatched_seconds = 0.0  # of the running step, spent in unwatched()
+        # (iteration, start time) of the watched step; unwatched() moves the start past its own time
+        self.current: tuple[int, float] | None = None
         self.lock = threading.Lock()
         if multiple > 0:
             threading.Thread(target=self._watch, name="step-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
     def step(self, iteration: int) -> Iterator[None]:
-        start, watched = time.monotonic(), self.steps_seen >= self.warmup
         with self.lock:
-            self.current = (iteration, start) if watched else None
-            self.unwatched_seconds = 0.0
+            self.current = (iteration, time.monotonic()) if self.steps_seen >= self.warmup else None
         try:
             yield
         finally:
             with self.lock:
-                if watched:
-                    self.durations.append(time.monotonic() - start - self.unwatched_seconds)
+                if self.current is not None:  # watched
+                    self.durations.append(time.monotonic() - self.current[1])
                 self.current = None
             self.steps_seen += 1
 
@@ -66,7 +65,6 @@ class StepWatchdog:
         finally:
             seconds = time.monotonic() - start
             with self.lock:
-                self.unwatched_seconds += seconds
                 self.current = None if paused is None else (paused[0], paused[1] + seconds)
 
     def _watch(self) -> None:

@@ -143,7 +143,8 @@ class WorkerPool:
         self._conns, self._procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, self._store_dir, child), daemon=True)
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_method, self._store_dir, child),
+                               daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
