@@ -68,7 +68,7 @@ def test_model_parallel_save_over_modules_without_sharded_state_dict_is_refused(
 
 
 def test_two_params_with_one_global_key_are_refused_on_every_rank(pools, tmp_path):
-    messages = pools(4).run(ccmp.run_save_with_a_key_twice, str(tmp_path))
+    messages = pools(4).run(ccmp.run_save_with_a_key_twice, str(tmp_path), timeout=60)  # every rank, in time
     assert len(set(messages)) == 1 and "both have the global key" in messages[0] and "rank 0" in messages[0], \
         messages
 
