@@ -1,7 +1,7 @@
 // Pass 1: read the grad once over every chunk of a step plan and accumulate
 //   stats[0] += number of non-finite grad elements inside the pieces
 //   stats[1] += inv_scale^2 * sum over in-norm pieces of float(g)^2
-//   stats[2] += number of grad elements equal to +0.0 or -0.0 inside the pieces (only if count_zeros)
+//   stats[2] += number of grad elements equal to +0.0 or -0.0 inside the in-norm pieces (only if count_zeros)
 // Nothing else is written.
 //
 // Precision: each square is taken in fp64 (exact for fp32/bf16/fp16 inputs) and summed in fp64, then
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) {
     sumsq_out[c] = k.in_norm ? total : 0.0;
     counts_out[2 * c] = nonfinite;
-    counts_out[2 * c + 1] = nzero;
+    counts_out[2 * c + 1] = k.in_norm ? nzero : 0u;  // zeros follow the norm's counting rule
   }
 }
 

@@ -18,6 +18,19 @@ def sum_of_squares(grad: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch
     return total
 
 
+def count_zeros_in_norm(grad: torch.Tensor, table: PieceTable) -> torch.Tensor:
+    """float64 count of the zero elements of the in-norm pieces of a grad whose gaps are zero, on the
+    grad's device (no host read). The zero count follows the norm's counting rule (a tensor-parallel
+    duplicate or a tied copy counts on one rank only), so that Megatron-LM's num_zeros, like its grad
+    norm, counts each logical element once."""
+    runs = table.norm_runs()
+    nonzero = torch.zeros((), dtype=torch.int64, device=grad.device)
+    for s, e in runs:
+        nonzero = nonzero + torch.count_nonzero(grad[s:e])
+    in_norm_elements = sum(e - s for s, e in runs) - table.padding_in_norm_runs()
+    return (in_norm_elements - nonzero).double()
+
+
 def zero_gaps(grad: torch.Tensor, table: PieceTable) -> torch.Tensor:
     """A copy of ``grad`` with every gap element inside the span set to +0 (``grad`` itself when the
     table has no gaps): flat reductions over runs of it see the piece elements only."""

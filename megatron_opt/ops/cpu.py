@@ -18,7 +18,7 @@ import math
 import torch
 
 from . import precision, reference
-from .common import gaps_kept, sum_of_squares, update_span, zero_gaps
+from .common import count_zeros_in_norm, gaps_kept, sum_of_squares, update_span, zero_gaps
 from .op_args import AdamWArgs, LrWd, ShardOperands, StatsArgs
 
 advance_step = reference.advance_step
@@ -39,13 +39,10 @@ def grad_stats(shard: ShardOperands, args: StatsArgs) -> None:
         nonfinite = 0
     else:  # rare: count exactly, over the pieces only
         nonfinite = int(sum(torch.isfinite(grad[s:e]).logical_not_().sum() for s, e in zip(table.starts, table.ends)))
-    zeros = 0
-    if args.count_zeros:
-        flat = grad[span[0] : span[1]]
-        zeros = flat.numel() - int(torch.count_nonzero(flat)) - table.padding_in_span()
+    zeros = float(count_zeros_in_norm(grad, table)) if args.count_zeros else 0.0
     sumsq = in_norm * args.inv_scale.double().square().reshape(())
     args.stats.add_(torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), sumsq,
-                            torch.tensor(float(zeros), dtype=torch.float64)]))
+                            torch.tensor(zeros, dtype=torch.float64)]))
 
 
 def adamw_step(shard: ShardOperands, lr_wd: LrWd, args: AdamWArgs) -> None:

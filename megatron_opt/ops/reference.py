@@ -15,7 +15,7 @@ back afterwards, ``common.gaps_kept``.)
 Stats layout (float64, accumulated so several shards can share one tensor):
     stats[0] += number of non-finite grad elements in the pieces
     stats[1] += sum over in-norm pieces of (grad * inv_scale) ** 2
-    stats[2] += number of grad elements equal to zero (+0.0 or -0.0) in the pieces
+    stats[2] += number of grad elements equal to zero (+0.0 or -0.0) in the in-norm pieces
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from . import precision
-from .common import gaps_kept, sum_of_squares, update_span, zero_gaps
+from .common import count_zeros_in_norm, gaps_kept, sum_of_squares, update_span, zero_gaps
 from .op_args import AdamWArgs, LionArgs, LrWd, SGDArgs, ShardOperands, StatsArgs
 
 STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS = 0, 1, 2
@@ -41,11 +41,9 @@ def grad_stats(shard: ShardOperands, args: StatsArgs) -> None:
     flat = grad[span[0] : span[1]]
     nonfinite = torch.isfinite(flat).logical_not_().sum()
     sumsq = sum_of_squares(grad, table.norm_runs()) * args.inv_scale.double().square().reshape(())
-    if args.count_zeros:
-        zeros = (flat == 0).sum() - table.padding_in_span()
-    else:
-        zeros = torch.zeros((), dtype=torch.int64, device=grad.device)
-    args.stats.add_(torch.stack([nonfinite.double(), sumsq, zeros.double()]))
+    zeros = count_zeros_in_norm(grad, table) if args.count_zeros else torch.zeros((), dtype=torch.float64,
+                                                                                   device=grad.device)
+    args.stats.add_(torch.stack([nonfinite.double(), sumsq, zeros]))
 
 
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -> None:

@@ -119,8 +119,8 @@ def oracle_stats(grad: torch.Tensor, table: PieceTable, inv_scale: float, count_
     for s, e, norm in zip(table.starts, table.ends, table.in_norm):
         x = g[s:e]
         nonfinite += int((~torch.isfinite(x)).sum())
-        zeros += int((x == 0).sum())
-        if norm:
+        if norm:  # the zero count follows the norm's counting rule
+            zeros += int((x == 0).sum())
             sumsq += float(((x * inv_scale) ** 2).sum())
     return nonfinite, sumsq, (zeros if count_zeros else 0)
 

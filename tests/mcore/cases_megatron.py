@@ -79,6 +79,8 @@ class Float64Reference:
                        for b in batches) / (ga * world)
         loss.backward()
         self.last_loss = float(loss.detach())
+        # Megatron-LM's num_zeros on the whole model: every logical gradient element once.
+        self.last_zeros = sum(int((p.grad == 0).sum()) for p in self.model.parameters() if p.grad is not None)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), CLIP)
         self.opt.step()
         self.sched.step(increment=self.global_batch)

@@ -201,7 +201,7 @@ def setup(chunks: list, config: TransformerConfig, overlap: bool, bf16: bool, gl
     opt_config = core_optimizer.OptimizerConfig(
         optimizer="adam", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
-        use_distributed_optimizer=True)
+        use_distributed_optimizer=True, log_num_zeros_in_grad=True)
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
     one = (lambda funcs: funcs[0]) if len(ddps) == 1 else (lambda funcs: funcs)
@@ -226,10 +226,11 @@ def step_loss(losses: list, per_token: bool) -> Optional[float]:
     return float(sums.sum() / counts.sum()) if per_token else float((sums / counts).mean())
 
 
-def train(ddps: list, opt, sched, step_batches: list, per_token: bool, ga: int, mb: int) -> tuple[list, list]:
-    """Megatron-LM's train_step for each global batch: (per-step loss or None, per-step grad norm)."""
+def train(ddps: list, opt, sched, step_batches: list, per_token: bool, ga: int, mb: int) -> tuple[list, list, list]:
+    """Megatron-LM's train_step for each global batch: (per-step loss or None, per-step grad norm,
+    per-step zero count)."""
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    losses, norms = [], []
+    losses, norms, zeros = [], [], []
     for batches in step_batches:
         mine = batches[dp_rank * ga:(dp_rank + 1) * ga]
         for ddp in ddps:
@@ -240,15 +241,16 @@ def train(ddps: list, opt, sched, step_batches: list, per_token: bool, ga: int, 
             out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=ddps,
                                               num_microbatches=ga, seq_length=mcore_cpu.SEQ, micro_batch_size=mb,
                                               decoder_seq_length=None, forward_only=False)
-            success, norm, _ = opt.step()
+            success, norm, num_zeros = opt.step()
         assert success, "step skipped"
         sched.step(increment=ga * mb * dp)
         losses.append(step_loss(out, per_token))
         norms.append(float(norm))
+        zeros.append(int(num_zeros))
     if ddps[0].ddp_config.overlap_param_gather:  # the last step's params are gathered at the next forward
         for ddp in ddps:
             ddp.disable_forward_pre_hook(param_sync=True)
-    return losses, norms
+    return losses, norms, zeros
 
 
 # ----------------------------------------------------------------------------- checks
@@ -316,14 +318,15 @@ def _train_reference(layout: Layout, per_token: bool, steps: list, dp: int, glob
     model = mcore_cpu.build_gpt(transformer_config(layout, per_token, torch.float32, whole=True), tied=True)
     init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     runs = {dtype: Float64Reference(model, global_batch, dtype) for dtype in (torch.float64, torch.float32)}
-    losses, norms = [], []
+    losses, norms, zeros = [], [], []
     with cpu_megatron_core():  # the MoE router's backward needs it too
         for batches in steps:
             norms.append(runs[torch.float64].step(batches, per_token, dp))
             losses.append(runs[torch.float64].last_loss)
+            zeros.append(runs[torch.float64].last_zeros)
             runs[torch.float32].step(batches, per_token, dp)
     return {"init": init, "final": runs[torch.float64].params(), "fp32_final": runs[torch.float32].params(),
-            "losses": losses, "norms": norms}
+            "losses": losses, "norms": norms, "zeros": zeros}
 
 
 IMPLEMENTATIONS = ("megatron_core", "megatron_opt")  # megatron-core's own DDP + optimizer; ours through install()
@@ -340,7 +343,7 @@ def run_layout(layout_name: str, per_token: bool = True, overlap: bool = False, 
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     step_batches = global_batches(steps, dp, ga, mb)
     reference = _reference(layout, per_token, step_batches, dp, dp * ga * mb)
-    out = {"reference": {"losses": reference["losses"], "norms": reference["norms"],
+    out = {"reference": {"losses": reference["losses"], "norms": reference["norms"], "zeros": reference["zeros"],
                          "fp32_torch_error": _fp32_torch_error(reference)}}
     finalize_module = importlib.import_module("megatron.core.distributed.finalize_model_grads")
     with mcore_cpu.model_parallel_state(**layout.sizes()), cpu_megatron_core():  # megatron-core's DDP needs it
@@ -355,8 +358,8 @@ def run_layout(layout_name: str, per_token: bool = True, overlap: bool = False, 
                 config = transformer_config(layout, per_token, torch.bfloat16 if bf16 else torch.float32)
                 chunks = build_chunks(layout, config, reference["init"])
                 ddps, opt, sched = setup(chunks, config, overlap, bf16, dp * ga * mb)
-                losses, norms = train(ddps, opt, sched, step_batches, per_token, ga, mb)
-                out[impl] = {"losses": losses, "norms": norms, "optimizer_module": type(opt).__module__,
+                losses, norms, zeros = train(ddps, opt, sched, step_batches, per_token, ga, mb)
+                out[impl] = {"losses": losses, "norms": norms, "zeros": zeros, "optimizer_module": type(opt).__module__,
                              "update_error": update_error(chunks, reference["final"], reference["init"]),
                              **replica_checks(layout, chunks, reference["init"])}
     return out

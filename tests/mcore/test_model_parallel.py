@@ -19,6 +19,13 @@ OURS, CORE = "megatron_opt", "megatron_core"
 # Tolerances, calibrated by megatron-core's own optimizer on this harness (which meets them: asserted below).
 LOSS_ATOL = {False: 1e-6, True: 1e-3}  # keyed by bf16; megatron-core's max: fp32 3.5e-7, bf16 1.0e-4
 NORM_RTOL = {False: 1e-6, True: 5e-3}  # megatron-core's max: fp32 7e-8, bf16 1.3e-3
+# The zero count may differ from float64's by elements that round to (or away from) exactly zero in fp32
+# or bf16: megatron-core's own count is off by up to 2 here. Counting a TP-duplicated element on every TP
+# rank instead would double whole params' counts (Megatron-LM's num_zeros counts each element once).
+def zeros_slack(reference: int) -> float:
+    return 2 + 0.02 * reference
+
+
 FP32_UPDATE_FACTOR = 2.0  # fp32 update error within this many times megatron-core's (or plain fp32 torch's, ~1.2e-6)
 BF16_UPDATE_FACTOR = 1.5  # bf16 model params against float64: within this many times megatron-core's (~4.7e-2)
 # megatron-core 0.16.1 filters replicated expert params (the experts' fc2 biases) by the *dense* TP rank
@@ -60,12 +67,15 @@ def figures(results: list, impl: str) -> dict:
     return {"loss": max(losses),
             "norm": max(abs(a - b) / b for r in mine for a, b in zip(r["norms"], ref["norms"])),
             "update": mine[0]["update_error"], "fp32_torch": ref["fp32_torch_error"],
+            "zeros": max(abs(a - b) - zeros_slack(b) for r in mine for a, b in zip(r["zeros"], ref["zeros"])),
+            "zero_counts": sorted({tuple(r["zeros"]) for r in mine}), "reference_zeros": ref["zeros"],
             "failed_checks": sorted(k for k in checks if not all(r[k] for r in mine)),
             "modules": {r["optimizer_module"].split(".")[0] + "." + r["optimizer_module"].split(".")[1] for r in mine},
             "same_update_everywhere": len({r["update_error"] for r in mine}) == 1}
 
 
 def check_parity(figs: dict, bf16: bool, update_bound: float) -> None:
+    assert figs["zeros"] <= 0, f"zero count (--log-num-zeros-in-grad) off the float64 count: {figs}"
     assert figs["norm"] <= NORM_RTOL[bf16], f"grad norm off the reference: {figs}"
     assert figs["loss"] <= LOSS_ATOL[bf16], f"loss off the reference: {figs}"
     assert figs["update"] <= update_bound, f"update off the reference (bound {update_bound:.3g}): {figs}"
