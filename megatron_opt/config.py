@@ -22,6 +22,9 @@ from .ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES, dtype_names
 
 _INF = math.inf
 VERIFY_ACTIONS = ("raise", "warn")  # OptimizerConfig.verify_action: what a failed verification does
+# DistributedDataParallelConfig.data_parallel_sharding_strategy: read only by Megatron-FSDP (which is refused),
+# so any of megatron-core's values is inert here; Megatron-LM main passes 'optim_grads_params' by default.
+DATA_PARALLEL_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def _fmt_bound(bound: Any) -> str:
@@ -101,7 +104,6 @@ class DistributedDataParallelConfig:
         "reuse_grad_buf_for_mxfp8_param_ag": False,
         "use_megatron_fsdp": False,
         "use_custom_fsdp": False,
-        "data_parallel_sharding_strategy": "no_shard",
         "nccl_ub": False,
         "reduce_scatter_with_fp32_accumulation": False,
     }
@@ -121,6 +123,10 @@ class DistributedDataParallelConfig:
         if self.bucket_size is not None:
             _check_range(owner, "bucket_size", self.bucket_size, 0, _INF, low_open=True, integer=True,
                          hint="a bucket's element count; None lets megatron_opt choose")
+        if self.data_parallel_sharding_strategy not in DATA_PARALLEL_SHARDING_STRATEGIES:
+            raise InvalidConfigError(
+                f"{owner}.data_parallel_sharding_strategy={self.data_parallel_sharding_strategy!r} is not one of "
+                f"{', '.join(repr(s) for s in DATA_PARALLEL_SHARDING_STRATEGIES)}.")
         _reject_unsupported(self, self._UNSUPPORTED, self._WHY)
         if self.num_distributed_optimizer_instances > 1 and not self.use_distributed_optimizer:
             raise UnsupportedConfigError(
@@ -172,7 +178,7 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 0.0
+    optimizer_offload_fraction: float = 0.0  # read only with optimizer_cpu_offload (refused): any value in [0, 1] is inert
     clip_grad: float = 1.0
     grad_norm_skip_threshold: Optional[float] = None
     log_num_zeros_in_grad: bool = False
@@ -193,7 +199,6 @@ class OptimizerConfig:
         "main_grads_dtype": torch.float32,
         "decoupled_weight_decay": True,
         "optimizer_cpu_offload": False,
-        "optimizer_offload_fraction": 0.0,
     }
     _WHY = {
         "main_grads_dtype": "gradients are reduced in the DDP config's dtype (grad_reduce_in_fp32)",

@@ -6,8 +6,8 @@ megatron-core is never imported here: a config is recognised by its fields (a da
 ours), so the conversion works whichever megatron-core version made it. Every field is either
 copied into the field of the same name, or checked against its megatron-core default: a value we
 do not implement raises UnsupportedConfigError naming the field, so nothing is silently ignored.
-The only fields let through at any value are those listed in ``_INERT``, each with the reason it
-cannot change what megatron_opt computes.
+Which fields megatron_opt lacks are let through at any value (inert) and which only at their default
+is decided in one table, core_config_fields.py, each with its reason.
 """
 from __future__ import annotations
 
@@ -15,36 +15,9 @@ import dataclasses
 import math
 from typing import Any, Optional
 
+from . import core_config_fields
 from .config import DistributedDataParallelConfig, OptimizerConfig
 from .errors import UnsupportedConfigError
-
-# Fields megatron_opt lacks whose value cannot matter: each is read only by a feature that is
-# itself rejected (so it can never be on here), or is a kernel-fusion detail with no numerical effect.
-_INERT: dict[str, str] = {
-    # DistributedDataParallelConfig
-    "gradient_reduce_div_fusion": "a kernel fusion of the pre-reduction division; same result",
-    "suggested_communication_unit_size": "Megatron FSDP only (use_megatron_fsdp is rejected)",
-    "preserve_fp32_weights": "Megatron FSDP only (use_megatron_fsdp is rejected)",
-    "keep_fp8_transpose_cache": "fp8 params only (fp8_param_gather is rejected)",
-    "fsdp_double_buffer": "Megatron FSDP only (use_megatron_fsdp is rejected)",
-    "outer_dp_sharding_strategy": "Megatron FSDP only (use_megatron_fsdp is rejected)",
-    "disable_symmetric_registration": "NCCL symmetric-memory registration; no numerical effect",
-    "fsdp_manual_registration": "Megatron FSDP only (use_megatron_fsdp is rejected)",
-    # OptimizerConfig
-    "fp8_recipe": "fp8 params only, which megatron_opt rejects",
-    "muon_momentum": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_split_qkv": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_use_nesterov": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_scale_mode": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_fp32_matmul_prec": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_num_ns_steps": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_tp_mode": "optimizer='muon' only, which megatron_opt rejects",
-    "muon_extra_scale_factor": "optimizer='muon' only, which megatron_opt rejects",
-    "use_torch_optimizer_for_cpu_offload": "optimizer_cpu_offload only, which megatron_opt rejects",
-    "overlap_cpu_optimizer_d2h_h2d": "optimizer_cpu_offload only, which megatron_opt rejects",
-    "pin_cpu_grads": "optimizer_cpu_offload only, which megatron_opt rejects",
-    "pin_cpu_params": "optimizer_cpu_offload only, which megatron_opt rejects",
-}
 
 # TransformerConfig fields the data-parallel wrapper and the optimizer depend on, with the only
 # value megatron_opt runs (model parallelism is not implemented: the norm and the buffers would
@@ -72,7 +45,7 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _convert(obj: Any, ours: type, what: str) -> Any:
+def _convert(obj: Any, ours: type, what: str, kind: str) -> Any:
     if isinstance(obj, ours):
         return obj
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
@@ -85,26 +58,28 @@ def _convert(obj: Any, ours: type, what: str) -> Any:
         if field.name in our_fields:
             values[field.name] = value
             continue
-        if field.name in _INERT:
+        rule = core_config_fields.treatment(kind, field.name)
+        if isinstance(rule, core_config_fields.Inert):
             continue
         default = _default_of(field)
         if default is dataclasses.MISSING or not _same(value, default):
+            why = rule.reason if rule is not None else "megatron_opt has no such setting"
             raise UnsupportedConfigError(
                 f"{type(obj).__module__}.{type(obj).__name__}.{field.name}={value!r} is not supported by "
-                f"megatron_opt (it has no such setting); leave it at megatron-core's default {default!r}.")
+                f"megatron_opt ({why}); leave it at megatron-core's default {default!r}.")
     return ours(**values)  # our __post_init__ checks ranges and rejects unsupported values of shared fields
 
 
 def as_ddp_config(config: Any) -> DistributedDataParallelConfig:
     """Ours unchanged; megatron-core's DistributedDataParallelConfig converted field by field (a copy:
     megatron-core's DDP rewrites ``bucket_size`` in place, ours never touches the caller's object)."""
-    return _convert(config, DistributedDataParallelConfig, "ddp_config")
+    return _convert(config, DistributedDataParallelConfig, "ddp_config", "ddp")
 
 
 def as_optimizer_config(config: Any) -> OptimizerConfig:
     """Ours unchanged; megatron-core's OptimizerConfig (or AdamOptimizerConfig / SGDOptimizerConfig)
     converted field by field."""
-    return _convert(config, OptimizerConfig, "config")
+    return _convert(config, OptimizerConfig, "config", "optimizer")
 
 
 def is_ours(config: Any) -> bool:

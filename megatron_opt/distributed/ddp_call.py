@@ -2,9 +2,15 @@
 
 megatron_opt's shape is ``(module, ddp_config=None, data_parallel_group=None,
 expert_data_parallel_group=None, instance_groups=None)``; megatron-core's is ``(config, ddp_config, module,
-disable_bucketing=False, pg_collection=None)``. A call is megatron-core's when it names ``config``
-or ``pg_collection`` or ``disable_bucketing``, or when its first positional argument is not a
-torch module (a TransformerConfig never is); otherwise it is ours. Mixing the two is an error.
+disable_bucketing=False, pg_collection=None, full_param_layout=None)``. A call is megatron-core's when it
+names ``config``, ``pg_collection``, ``disable_bucketing`` or ``full_param_layout``, or when its first
+positional argument is not a torch module (a TransformerConfig never is); otherwise it is ours. Mixing
+the two is an error.
+
+``full_param_layout`` (Megatron-LM main's ``get_model`` passes the layout megatron-core's own
+DistributedOptimizer would use) is accepted and not used: megatron_opt's buffers, buckets and shards
+follow its own layout (distributed/layout.py), which its optimizer and checkpoints are built on; the
+training result does not depend on where a param sits in a buffer.
 
 With partial sharding (``num_distributed_optimizer_instances = k > 1``) a megatron-core call also
 takes the intra-instance and inter-instance groups from megatron-core (``pg_collection.intra_dp_cp``
@@ -31,7 +37,7 @@ from .parallel_groups import ModelParallelGroups, from_parallel_state, from_pg_c
 
 OURS = ("module", "ddp_config", "data_parallel_group", "expert_data_parallel_group", "instance_groups",
         "model_parallel_groups")
-MEGATRON_CORE = ("config", "ddp_config", "module", "disable_bucketing", "pg_collection")
+MEGATRON_CORE = ("config", "ddp_config", "module", "disable_bucketing", "pg_collection", "full_param_layout")
 
 
 @dataclass
@@ -67,7 +73,7 @@ def _bind(names: tuple[str, ...], args: tuple, kwargs: dict, shape: str) -> dict
 
 
 def is_megatron_core_call(args: tuple, kwargs: dict) -> bool:
-    if {"config", "pg_collection", "disable_bucketing"} & kwargs.keys():
+    if {"config", "pg_collection", "disable_bucketing", "full_param_layout"} & kwargs.keys():
         return True
     if args:
         return not isinstance(args[0], torch.nn.Module)

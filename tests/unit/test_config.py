@@ -38,7 +38,6 @@ DDP_UNSUPPORTED = [
     ("reuse_grad_buf_for_mxfp8_param_ag", True),
     ("use_megatron_fsdp", True),
     ("use_custom_fsdp", True),
-    ("data_parallel_sharding_strategy", "optim_grads_params"),
     ("nccl_ub", True),
     ("reduce_scatter_with_fp32_accumulation", True),
 ]
@@ -46,7 +45,6 @@ OPT_UNSUPPORTED = [
     ("main_grads_dtype", torch.bfloat16),
     ("decoupled_weight_decay", False),
     ("optimizer_cpu_offload", True),
-    ("optimizer_offload_fraction", 0.5),
 ]
 
 
@@ -306,3 +304,32 @@ def test_optimizer_cuda_graph_takes_exactly_the_kernel_moment_pairs(exp_avg, exp
     else:
         with pytest.raises(UnsupportedConfigError, match=r"optimizer_cuda_graph=True with \(exp_avg_dtype"):
             OptimizerConfig(**kwargs)
+
+
+# Megatron-LM passes these by default (--optimizer-offload-fraction 1.0; main's
+# --data-parallel-sharding-strategy optim_grads_params); each is read only by a feature megatron_opt
+# refuses (CPU offload, Megatron-FSDP), so its value changes nothing and is accepted.
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_offload_fraction_without_offload_is_accepted(fraction):
+    assert OptimizerConfig(lr=1e-3, optimizer_offload_fraction=fraction).optimizer_offload_fraction == fraction
+
+
+def test_offload_fraction_out_of_range_is_invalid():
+    with pytest.raises(InvalidConfigError, match="optimizer_offload_fraction=1.5"):
+        OptimizerConfig(lr=1e-3, optimizer_offload_fraction=1.5)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_sharding_strategy_without_megatron_fsdp_is_accepted(strategy):
+    config = DistributedDataParallelConfig(data_parallel_sharding_strategy=strategy)
+    assert config.data_parallel_sharding_strategy == strategy
+
+
+def test_unknown_sharding_strategy_is_invalid():
+    with pytest.raises(InvalidConfigError, match="data_parallel_sharding_strategy='zero3'"):
+        DistributedDataParallelConfig(data_parallel_sharding_strategy="zero3")
+
+
+def test_megatron_fsdp_is_still_refused_whatever_the_strategy():
+    with pytest.raises(UnsupportedConfigError, match="use_megatron_fsdp"):
+        DistributedDataParallelConfig(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params")

@@ -1,0 +1,112 @@
+"""The treatment of every megatron-core config field that megatron_opt's configs lack.
+
+megatron-core keeps adding fields to its ``OptimizerConfig`` and ``DistributedDataParallelConfig``, and
+Megatron-LM fills many of them from its argument parser with values other than the dataclass
+defaults. A converted config (config_conversion.py) keeps each field megatron_opt has; every other
+field gets one of the treatments below, decided here once and for all megatron-core versions checked
+(0.16.1, 0.19.2 and Megatron-LM main's core, 2026-08):
+
+- ``Inert``: any value is accepted, because the field cannot change what megatron_opt computes: it is
+  read only by a feature megatron_opt refuses (Megatron-FSDP, CPU offload, fp8 params, Muon-family
+  optimizers while ``optimizer`` is not one of them), or it is a kernel-fusion or registration detail.
+- ``DefaultOnly``: accepted at megatron-core's default only, refused by name otherwise: another value
+  would change the training and megatron_opt does not implement it.
+
+A field missing from this table is treated as ``DefaultOnly`` at run time (never silently ignored),
+and ``tests/mcore/test_stock_megatron_lm.py`` fails when the installed megatron-core has a field that
+is neither megatron_opt's nor in this table, so a new megatron-core field is decided here, not in a
+user's run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+
+@dataclass(frozen=True)
+class Inert:
+    """Accepted at any value; ``reason`` says why it cannot change the result."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class DefaultOnly:
+    """Accepted at megatron-core's default only; ``reason`` says what to do instead."""
+
+    reason: str
+
+
+Treatment = Union[Inert, DefaultOnly]
+
+_FSDP = Inert("read only by Megatron-FSDP (use_megatron_fsdp, which megatron_opt refuses)")
+_OFFLOAD = Inert("read only by the CPU-offloaded optimizer (optimizer_cpu_offload, which megatron_opt refuses)")
+_MUON = Inert("read only by optimizer='muon'/'dist_muon'/'adaptive_muon', which megatron_opt refuses")
+_SOAP = Inert("read only by optimizer='soap', which megatron_opt refuses")
+_FP8 = Inert("read only with fp8 params (TransformerConfig.fp8_param / fp8_param_gather, which megatron_opt refuses)")
+
+DDP_FIELDS: dict[str, Treatment] = {
+    "gradient_reduce_div_fusion": Inert("a kernel fusion of the pre-reduction division; the same result"),
+    "disable_symmetric_registration": Inert("NCCL symmetric-memory registration; no numerical effect"),
+    "suggested_communication_unit_size": _FSDP,
+    "preserve_fp32_weights": _FSDP,
+    "fsdp_double_buffer": _FSDP,
+    "fsdp_db_use_persist_buf_on_alloc_fail": _FSDP,
+    "fsdp_all_gather_in_start_param_sync": _FSDP,
+    "fsdp_manual_registration": _FSDP,
+    "outer_dp_sharding_strategy": _FSDP,
+    "megatron_fsdp_version": _FSDP,
+    "megatron_fsdp_main_params_dtype": _FSDP,
+    "megatron_fsdp_main_grads_dtype": _FSDP,
+    "megatron_fsdp_grad_comm_dtype": _FSDP,
+    "megatron_fsdp_use_decoupled_grad": _FSDP,
+    "megatron_fsdp_cuda_graph_mode": _FSDP,
+    "megatron_fsdp_enable_fine_grained_param_gather": _FSDP,
+    "megatron_fsdp_max_pool_double_buffer": _FSDP,
+    "keep_fp8_transpose_cache": _FP8,
+    "num_buckets": DefaultOnly("set bucket_size (elements per bucket) instead"),
+    "param_name_patterns_for_fp32_local_accumulation": DefaultOnly(
+        "per-param fp32 accumulation is not implemented; grad_reduce_in_fp32=True accumulates every grad in fp32"),
+    "fp4_param_gather": DefaultOnly("fp4 params are not supported"),
+}
+
+OPTIMIZER_FIELDS: dict[str, Treatment] = {
+    "fp8_recipe": _FP8,
+    "reuse_grad_buf_for_mxfp8_param_ag": DefaultOnly("mxfp8 params are not supported"),
+    "use_torch_optimizer_for_cpu_offload": _OFFLOAD,
+    "overlap_cpu_optimizer_d2h_h2d": _OFFLOAD,
+    "pin_cpu_grads": _OFFLOAD,
+    "pin_cpu_params": _OFFLOAD,
+    "muon_momentum": _MUON,
+    "muon_split_qkv": _MUON,
+    "muon_use_nesterov": _MUON,  # megatron-core 0.16.1's name
+    "muon_nesterov": _MUON,
+    "muon_scale_mode": _MUON,
+    "muon_fp32_matmul_prec": _MUON,
+    "muon_coefficient_type": _MUON,
+    "muon_num_ns_steps": _MUON,
+    "muon_tp_mode": _MUON,
+    "muon_use_syrk": _MUON,
+    "muon_extra_scale_factor": _MUON,
+    "muon_scalar_optimizer": _MUON,
+    "adaptive_muon_moment2_method": _MUON,
+    "adaptive_muon_beta2": _MUON,
+    "adaptive_muon_eps": _MUON,
+    "soap_shampoo_beta": _SOAP,
+    "soap_precondition_frequency": _SOAP,
+    "soap_use_kl_shampoo": _SOAP,
+    "use_layer_wise_distributed_optimizer": DefaultOnly(
+        "megatron-core's layer-wise distributed optimizer (for Muon) is not implemented; use "
+        "use_distributed_optimizer=True with optimizer='adam', 'sgd' or 'lion'"),
+}
+
+
+def treatment(kind: str, name: str) -> Treatment | None:
+    """The treatment of megatron-core field ``name`` of a DDP (``kind='ddp'``) or optimizer
+    (``kind='optimizer'``) config that megatron_opt's config lacks; None when undecided (then only
+    megatron-core's default is accepted)."""
+    table = {"ddp": DDP_FIELDS, "optimizer": OPTIMIZER_FIELDS}[kind]
+    return table.get(name)
+
+
+__all__ = ["Inert", "DefaultOnly", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]

@@ -1,0 +1,61 @@
+"""Megatron-LM's stock arguments with the one-line switch: the configs Megatron-LM's own parser builds
+(recorded from core_v0.16.1 and main, tests/support/megatron_lm_configs.json) train megatron-core's
+GPTModel through install() exactly as megatron-core's own DDP + optimizer do on the same harness, with
+main's ``full_param_layout`` passed to the DDP; and every field of the installed megatron-core's configs
+is decided (core_config_fields.py), so a field a new release adds fails here, not in a user's run."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
+import cases_stock
+
+from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
+import megatron.core.optimizer as core_optimizer
+
+import megatron_opt as mo
+from megatron_opt import core_config_fields
+
+OURS, CORE = "megatron_opt", "megatron_core"
+
+
+def _config_classes() -> list[tuple[str, type]]:
+    classes = [("ddp", CoreDDPConfig), ("optimizer", core_optimizer.OptimizerConfig)]
+    for name in ("AdamOptimizerConfig", "SGDOptimizerConfig"):
+        if hasattr(core_optimizer, name):
+            classes.append(("optimizer", getattr(core_optimizer, name)))
+    return classes
+
+
+@pytest.mark.parametrize("kind, cls", _config_classes(), ids=lambda x: getattr(x, "__name__", x))
+def test_every_field_of_the_installed_megatron_core_is_decided(kind, cls):
+    ours = {f.name for f in dataclasses.fields(mo.OptimizerConfig if kind == "optimizer" else mo.DistributedDataParallelConfig)}
+    undecided = sorted(f.name for f in dataclasses.fields(cls)
+                       if f.name not in ours and core_config_fields.treatment(kind, f.name) is None)
+    assert not undecided, (f"megatron-core's {cls.__name__} has fields megatron_opt has not decided; add each to "
+                           f"megatron_opt/core_config_fields.py (Inert or DefaultOnly): {undecided}")
+
+
+@pytest.mark.parametrize("launch", ["stock", "distributed_optimizer_overlap_bf16"])
+def test_stock_megatron_lm_configs_train_like_megatron_core(pools, launch):
+    core = pools(2).run(cases_stock.run_stock, launch, CORE)
+    ours = pools(2).run(cases_stock.run_stock, launch, OURS)
+    assert {r["optimizer_module"].split(".")[0] for r in ours} == {"megatron_opt"}, ours[0]["optimizer_module"]
+    assert {r["optimizer_module"].split(".")[0] for r in core} == {"megatron"}, core[0]["optimizer_module"]
+    bf16 = launch.endswith("bf16")
+    for rank, (a, b) in enumerate(zip(ours, core)):
+        for step, (mine, theirs) in enumerate(zip(a["steps"], b["steps"])):
+            assert mine[0] and theirs[0], f"rank {rank} step {step} skipped: {mine} {theirs}"
+            assert mine[1] == pytest.approx(theirs[1], rel=5e-3 if bf16 else 1e-6), f"grad norm, step {step}"
+            if theirs[2] is None:
+                assert mine[2] is None, f"num_zeros logged without --log-num-zeros-in-grad, step {step}"
+            else:
+                assert abs(mine[2] - theirs[2]) <= 2 + 0.02 * theirs[2], f"num_zeros, step {step}: {mine} {theirs}"
+            assert mine[3] == theirs[3], f"loss scale, step {step}"
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-3 if bf16 else 1e-6)
+        difference = float((a["params"] - b["params"]).abs().max())
+        assert difference <= (2 ** -7 if bf16 else 1e-6), f"rank {rank}: final params differ by {difference}"
+    assert torch.equal(ours[0]["params"], ours[1]["params"]), "data-parallel replicas differ"
