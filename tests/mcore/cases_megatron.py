@@ -262,7 +262,13 @@ def run_param_groups_match_megatron_core(kind: str, decoupled: bool) -> list:
     names = {id(p): n for n, p in ddp.named_parameters()}
     ours = mo.get_param_groups([ddp], as_optimizer_config(opt_config),
                                config_overrides=_override_sets(kind))
-    theirs = _get_param_groups([ddp], opt_config, _override_sets(kind))
+    # get_megatron_optimizer turns None into the standard overrides (megatron-core 0.19 does it there, 0.16.1 in
+    # _get_param_groups too): give megatron-core's private function what its public one would.
+    theirs_overrides = _override_sets(kind)
+    if theirs_overrides is None:
+        from megatron.core.optimizer import get_standard_config_overrides
+        theirs_overrides = get_standard_config_overrides(opt_config)
+    theirs = _get_param_groups([ddp], opt_config, theirs_overrides)
 
     def describe(groups):
         keys = ("is_expert_parallel", "default_config", "wd_mult", "lr_mult", "is_decoupled_lr", "max_lr", "min_lr")

@@ -14,23 +14,25 @@ import pytest
 
 import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
 import cases_model_parallel as cmp
+from megatron.core import package_info
 
 OURS, CORE = "megatron_opt", "megatron_core"
 # Tolerances, calibrated by megatron-core's own optimizer on this harness (which meets them: asserted below).
 LOSS_ATOL = {False: 1e-6, True: 1e-3}  # keyed by bf16; megatron-core's max: fp32 3.5e-7, bf16 1.0e-4
 NORM_RTOL = {False: 1e-6, True: 5e-3}  # megatron-core's max: fp32 7e-8, bf16 1.3e-3
-# The zero count may differ from float64's by elements that round to (or away from) exactly zero in fp32
-# or bf16: megatron-core's own count is off by up to 2 here. Counting a TP-duplicated element on every TP
-# rank instead would double whole params' counts (Megatron-LM's num_zeros counts each element once).
+# The zero count may differ from float64's by elements that round to (or away from) exactly zero: the
+# key projection's bias has an exactly zero gradient in exact arithmetic (softmax ignores it), so in fp32
+# each of its elements is 0 or ~1e-10 by chance (megatron-core's own count is off by 1-3 here). Counting a
+# TP-duplicated or tied copy again instead adds whole params' zeros (32 per position-embedding row here).
 def zeros_slack(reference: int) -> float:
-    return 2 + 0.02 * reference
+    return 4 + 0.05 * reference
 
 
 FP32_UPDATE_FACTOR = 2.0  # fp32 update error within this many times megatron-core's (or plain fp32 torch's, ~1.2e-6)
 BF16_UPDATE_FACTOR = 1.5  # bf16 model params against float64: within this many times megatron-core's (~4.7e-2)
 # megatron-core 0.16.1 filters replicated expert params (the experts' fc2 biases) by the *dense* TP rank
-# (Megatron-LM #5916/#6470): its grad norm misses the reference here by ~3.5%; ours must not.
-CORE_EXPERT_NORM_BUG = {"tp2_sp_ep2_etp1"}
+# (Megatron-LM #5916/#6470): its grad norm misses the reference here by ~3.5%; ours must not. 0.19.2 is fixed.
+CORE_EXPERT_NORM_BUG = {"tp2_sp_ep2_etp1"} if package_info.__version__.startswith("0.16") else set()
 
 # (layout, per_token, overlap, bf16, world size): a covering set, not the cross product.
 CASES = [
@@ -67,15 +69,23 @@ def figures(results: list, impl: str) -> dict:
     return {"loss": max(losses),
             "norm": max(abs(a - b) / b for r in mine for a, b in zip(r["norms"], ref["norms"])),
             "update": mine[0]["update_error"], "fp32_torch": ref["fp32_torch_error"],
-            "zeros": max(abs(a - b) - zeros_slack(b) for r in mine for a, b in zip(r["zeros"], ref["zeros"])),
-            "zero_counts": sorted({tuple(r["zeros"]) for r in mine}), "reference_zeros": ref["zeros"],
+            "zero_counts": [r["zeros"] for r in mine], "reference_zeros": ref["zeros"],
             "failed_checks": sorted(k for k in checks if not all(r[k] for r in mine)),
             "modules": {r["optimizer_module"].split(".")[0] + "." + r["optimizer_module"].split(".")[1] for r in mine},
             "same_update_everywhere": len({r["update_error"] for r in mine}) == 1}
 
 
+def zeros_excess(ours: dict, core: dict) -> float:
+    """How far the zero count (--log-num-zeros-in-grad) of any rank and step is beyond the slack from both
+    the float64 count of the whole model and megatron-core's own count (the calibration; in bf16 both
+    count underflowed grads the float64 model does not have)."""
+    ref = ours["reference_zeros"]
+    return max(min(abs(mine - r), abs(mine - theirs)) - zeros_slack(r)
+               for rank_mine, rank_theirs in zip(ours["zero_counts"], core["zero_counts"])
+               for mine, theirs, r in zip(rank_mine, rank_theirs, ref))
+
+
 def check_parity(figs: dict, bf16: bool, update_bound: float) -> None:
-    assert figs["zeros"] <= 0, f"zero count (--log-num-zeros-in-grad) off the float64 count: {figs}"
     assert figs["norm"] <= NORM_RTOL[bf16], f"grad norm off the reference: {figs}"
     assert figs["loss"] <= LOSS_ATOL[bf16], f"loss off the reference: {figs}"
     assert figs["update"] <= update_bound, f"update off the reference (bound {update_bound:.3g}): {figs}"
@@ -97,6 +107,7 @@ def test_model_parallel_gpt_matches_float64_reference(pools, case):
     else:
         bound = FP32_UPDATE_FACTOR * max(core["update"], core["fp32_torch"])
     check_parity(ours, bf16, bound)
+    assert zeros_excess(ours, core) <= 0, f"zero count off float64's and megatron-core's: {ours} {core}"
     # The calibration: megatron-core's own optimizer meets the same tolerances on the same harness ...
     if layout in CORE_EXPERT_NORM_BUG:  # ... except for its expert-norm bug, which shows here
         assert core["norm"] > 1e-2, core
