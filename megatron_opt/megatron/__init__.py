@@ -7,7 +7,10 @@
 It replaces megatron-core's ``DistributedDataParallel`` and ``get_megatron_optimizer`` with
 megatron_opt's, in megatron-core's own modules and wherever a module already imported them by name
 (Megatron-LM's ``megatron/training/training.py`` does ``from megatron.core.distributed import
-DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). Call it
+DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). It also puts a
+check in front of megatron-core's ``dist_checkpointing.load``: a ``dp_reshardable`` optimizer checkpoint
+whose buckets differ from this run's is refused on every rank, naming both layouts and the fix, before
+torch.distributed.checkpoint would fail on a missing key (``checked_load.py``). Call it
 before Megatron-LM imports its training modules, or after: both are covered. ``uninstall()``
 restores megatron-core's objects.
 
@@ -24,17 +27,20 @@ _ORIGINALS = "_megatron_opt_originals"  # in a patched module: {attribute: megat
 
 def _targets() -> dict[int, Any]:
     """id(megatron-core object) -> megatron_opt's replacement."""
+    import megatron.core.dist_checkpointing as core_dist_checkpointing
     import megatron.core.distributed as core_distributed
     import megatron.core.distributed.distributed_data_parallel as core_ddp
     import megatron.core.optimizer as core_optimizer
 
     from ..distributed.ddp import DistributedDataParallel
     from ..optimizer.factory import get_megatron_optimizer
+    from .checked_load import checked
 
     pairs = {
         id(core_ddp.DistributedDataParallel): DistributedDataParallel,
         id(core_distributed.DistributedDataParallel): DistributedDataParallel,
         id(core_optimizer.get_megatron_optimizer): get_megatron_optimizer,
+        id(core_dist_checkpointing.load): checked(core_dist_checkpointing.load),
     }
     return pairs
 
@@ -82,4 +88,6 @@ def is_installed() -> bool:
     return any(_ORIGINALS in vars(module) for module in _megatron_modules())
 
 
-__all__ = ["install", "uninstall", "is_installed"]
+from ..optimizer.dp_reshardable_check import check_bucket_layout  # noqa: E402  (public: the check install() adds)
+
+__all__ = ["install", "uninstall", "is_installed", "check_bucket_layout"]

@@ -281,6 +281,26 @@ def run_load_refused(path: str, kind: str, bucket_size: Optional[int]) -> dict:
     return {"error": None}
 
 
+def run_load_with_other_buckets_installed(path: str, bucket_size: Optional[int]) -> dict:
+    """Megatron-LM's load (dist_checkpointing.load, as install() leaves it) of a dp_reshardable checkpoint
+    into a run with other buckets: refused on every rank by name before torch.distributed.checkpoint runs,
+    leaving the optimizer as it was."""
+    import megatron_opt.megatron
+
+    run = Run(True, bucket_size, seed=1)  # installs and uninstalls around its construction
+    run.train(batches(1, seed=5))
+    before = model_space_state(run)
+    megatron_opt.megatron.install()
+    try:
+        try:
+            run.load(path, "dp_reshardable")
+        except Exception as exc:  # noqa: BLE001  (the test asserts its type)
+            return {"type": type(exc).__name__, "error": str(exc), "unchanged": _same(before, model_space_state(run))}
+        return {"type": None, "error": None}
+    finally:
+        megatron_opt.megatron.uninstall()
+
+
 def run_unsupported_type() -> str:
     run = Run(True)
     try:

@@ -77,6 +77,19 @@ def test_dp_reshardable_with_another_bucket_layout_is_refused_naming_the_flag(po
         assert result["unchanged"] is not False
 
 
+@pytest.mark.parametrize("saved_by_ours", [True, False], ids=["megatron_opt_saved", "megatron_core_saved"])
+def test_dp_reshardable_with_more_buckets_is_refused_naming_both_layouts(pools, tmp_path, saved_by_ours):
+    """One bucket saved, several now: the keys of the extra buckets are not in the checkpoint. Without the
+    check torch.distributed.checkpoint fails with a missing-key error naming neither cause nor fix."""
+    path = cc.tmp_folder(str(tmp_path), "dp_more")
+    pools(2).run(cc.run_save, path, saved_by_ours, "dp_reshardable", None, 1, 0)
+    for result in pools(2).run(cc.run_load_with_other_buckets_installed, path, 2000):
+        assert result["type"] == "CheckpointError", result
+        assert "--dist-ckpt-optim-fully-reshardable" in result["error"], result
+        assert "--ddp-bucket-size" in result["error"] and "1 bucket(s)" in result["error"], result
+        assert result["unchanged"] is not False, result
+
+
 def test_unsupported_sharding_type_names_the_formats(pools):
     for message in pools(2).run(cc.run_unsupported_type):
         assert "dp_zero_gather_scatter" in message and "--dist-ckpt-optim-fully-reshardable" in message
