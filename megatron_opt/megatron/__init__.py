@@ -88,6 +88,6 @@ def is_installed() -> bool:
     return any(_ORIGINALS in vars(module) for module in _megatron_modules())
 
 
-from ..optimizer.dp_reshardable_check import check_bucket_layout  # noqa: E402  (public: the check install() adds)
+from .checked_load import check_bucket_layout  # noqa: E402  (public: the check install() adds)
 
 __all__ = ["install", "uninstall", "is_installed", "check_bucket_layout"]

@@ -1,11 +1,101 @@
-"""megatron-core's ``dist_checkpointing.load`` with megatron_opt's bucket-layout check in front
-(optimizer/dp_reshardable_check.py); install() puts it where Megatron-LM's checkpointing calls it."""
+"""Before a dist_checkpointing load: does a dp_reshardable optimizer checkpoint have this run's buckets?
+
+megatron-core's ``dp_reshardable`` format (Megatron-LM's default) stores the distributed optimizer's
+state per flat bucket, keyed ``...gbuf_idx_<g>.dtype_<d>.bucket_idx_<k>.<state>`` with the bucket's
+length as the tensor's shape. A run whose buckets differ (another ``--ddp-bucket-size``, model or
+parallel layout) asks for keys the checkpoint does not have, and torch.distributed.checkpoint fails
+with a missing-key error that names neither the cause nor the fix. ``check_bucket_layout`` compares the
+bucket keys and lengths a load asks for with the checkpoint's metadata first and raises a
+``CheckpointError`` on every rank together, naming both layouts and the two ways out. Megatron-LM calls
+``dist_checkpointing.load`` itself; ``megatron_opt.megatron.install()`` puts ``checked(load)`` in its place.
+"""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+import os
+import re
+from typing import Any, Callable, Iterator, Optional
 
-from ..optimizer.dp_reshardable_check import check_bucket_layout
+from .. import collectives
+from ..errors import CheckpointError
+from ..optimizer.sharded_layouts import FULLY_RESHARDABLE_FLAG
+
+# prefix (the dp group and buffer), bucket index, state name
+_BUCKET_KEY = re.compile(r"^(?P<buffer>.*optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*)"
+                         r"\.bucket_idx_(?P<bucket>\d+)\.(?P<state>[^.]+)$")
+
+
+def _sharded_tensors(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _sharded_tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _sharded_tensors(value)
+    elif hasattr(tree, "key") and hasattr(tree, "global_shape"):
+        yield tree
+
+
+def _layout(lengths: dict[str, int]) -> dict[str, dict[int, int]]:
+    """{bucket key: length} -> {buffer prefix: {bucket index: length}}."""
+    out: dict[str, dict[int, int]] = {}
+    for key, length in lengths.items():
+        match = _BUCKET_KEY.match(key)
+        if match:
+            out.setdefault(match["buffer"], {})[int(match["bucket"])] = length
+    return out
+
+
+def _saved_lengths(checkpoint_dir: str) -> Optional[dict[str, int]]:
+    """{tensor key: length} of the checkpoint's tensors, or None where it is not a torch_dist checkpoint."""
+    if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    out = {}
+    for key, item in metadata.state_dict_metadata.items():
+        size = getattr(item, "size", None)
+        if size is not None and len(size) == 1:
+            out[key] = int(size[0])
+    return out
+
+
+def _problem(requested: dict[str, int], checkpoint_dir: str) -> Optional[str]:
+    saved_lengths = _saved_lengths(checkpoint_dir)
+    if saved_lengths is None:
+        return None
+    wanted, saved = _layout(requested), _layout(saved_lengths)
+    for buffer, buckets in sorted(wanted.items()):
+        have = saved.get(buffer, {})
+        lengths_now = [buckets[k] for k in sorted(buckets)]
+        lengths_saved = [have[k] for k in sorted(have)]
+        if any(have.get(k) != length for k, length in buckets.items()):
+            name = buffer[buffer.index("optimizer.distributed.") + len("optimizer.distributed."):]
+            stored = (f"stores buffer {name} as {len(have)} bucket(s) of {lengths_saved} elements" if have
+                      else f"holds no dp_reshardable state for buffer {name}")
+            return (f"the dp_reshardable optimizer checkpoint in {checkpoint_dir} {stored}, "
+                    f"and this run's buffer has {max(buckets) + 1} bucket(s) of {lengths_now} elements (another "
+                    f"--ddp-bucket-size, model or tensor / pipeline / expert-parallel layout)")
+    return None
+
+
+def check_bucket_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+    """Raise CheckpointError on every rank together when the dp_reshardable optimizer state that
+    ``sharded_state_dict`` asks for is laid out in other buckets in ``checkpoint_dir``; nothing when it
+    asks for none, or the checkpoint is not a torch_dist folder. A collective over the default group
+    (every rank calls dist_checkpointing.load together)."""
+    requested = {t.key: int(t.global_shape[0]) for t in _sharded_tensors(sharded_state_dict)
+                 if _BUCKET_KEY.match(str(t.key)) and len(t.global_shape) == 1}
+    try:
+        problem: Any = _problem(requested, str(checkpoint_dir)) if requested else None
+    except Exception as exc:  # an unreadable .metadata: every rank hears of it, none waits in the load
+        problem = exc
+    fix = (f"Save the optimizer in the per-parameter format, which any bucket and parallel layout loads "
+           f"(Megatron-LM: {FULLY_RESHARDABLE_FLAG}), or load with the bucket layout it was saved with "
+           f"(the same --ddp-bucket-size, model and parallel sizes).")
+    collectives.agree("dist_checkpointing.load of the optimizer state", problem, None, error_type=CheckpointError,
+                      failure_note=fix)
 
 
 def checked(load: Callable) -> Callable:
@@ -19,4 +109,4 @@ def checked(load: Callable) -> Callable:
     return load_after_checking
 
 
-__all__ = ["checked"]
+__all__ = ["check_bucket_layout", "checked"]
