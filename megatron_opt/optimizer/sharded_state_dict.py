@@ -24,6 +24,7 @@ megatron-core is imported inside the functions: the package imports without it.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -32,6 +33,8 @@ from .. import collectives
 from ..errors import UnsupportedConfigError
 from . import sharded_layouts as layouts
 from .state_view import first_nonfinite
+
+_LOG = logging.getLogger("megatron_opt")
 
 SHARDING_TYPE = "distrib_optim_sharding_type"
 # megatron-core's param_group_identifier_keys: how a saved param group finds its group at load.
@@ -283,6 +286,37 @@ def _read(child: Any, part: dict) -> tuple[list, dict]:
     return values, scalar_state_from(child, part)
 
 
+def masters_off_the_weights(values: list) -> dict[str, tuple[int, int]]:
+    """{param key: (elements, of which disagree)} for the loaded masters that are not their param's current
+    value beyond rounding to the param's dtype. Megatron-LM loads the model before the optimizer, so a
+    master that is not its stored weight was written wrong: megatron-core (0.16.1 and 0.19.2) writes the
+    fully_reshardable state of a param whose range runs past its buffer's unpadded end (the first
+    pipeline stage's word embedding, last in its buffer) from shifted offsets, logging "param range
+    exceeds unpadded buffer" (docs/checkpoints.md)."""
+    out: dict[str, tuple[int, int]] = {}
+    for s, v in values:
+        if s.state != layouts.MASTER:
+            continue
+        param = s.piece.param.detach().reshape(-1)[s.start: s.start + v.numel()]
+        off = int((v.to(param.dtype) != param).sum())
+        total, bad = out.get(s.key, (0, 0))
+        out[s.key] = (total + v.numel(), bad + off)
+    return {k: n for k, n in out.items() if n[1]}
+
+
+def _warn_masters_off_the_weights(plans: list) -> None:
+    off = {}
+    for _, values, _ in plans:
+        off.update(masters_off_the_weights(values))
+    if off:
+        described = ", ".join(f"{k} ({bad} of {total} elements)" for k, (total, bad) in sorted(off.items()))
+        _LOG.warning("the checkpoint's optimizer masters disagree with its model weights beyond rounding for %s "
+                     "(on this rank): the optimizer state of these params was saved wrong; megatron-core writes "
+                     "it so for a param that runs past its buffer's unpadded end (its log says 'param range "
+                     "exceeds unpadded buffer'). Training goes on from these masters; to start them from the "
+                     "weights instead, load with --no-load-optim (the moments then start at zero).", described)
+
+
 def load(optimizer: Any, state_dict: Any) -> None:
     """``optimizer.load_state_dict(state_dict)`` for megatron-core's formats: every rank checks first
     (the state it owns is present and finite, the param groups and update counts read), a refusal
@@ -300,6 +334,7 @@ def load(optimizer: Any, state_dict: Any) -> None:
         return plans
 
     plans = collectives.raise_together(check, None, f"{type(optimizer).__name__}.load_state_dict", ValueError)
+    _warn_masters_off_the_weights(plans)
     with torch.no_grad():
         for child, values, scalars in plans:
             for s, v in values:

@@ -157,7 +157,8 @@ def _load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any) -
         result = megatron_opt.checkpoint.load(f"{path}/megatron_opt", ddps, opt, sched)
         return {"saved_data_parallel_size": result.saved_data_parallel_size, "iteration": result.iteration}
     with cc.cpu():
-        loaded = dist_checkpointing.load(_state_dict(chunks, opt, True, KINDS[fmt]), f"{path}/{fmt}")
+        loaded = dist_checkpointing.load(_state_dict(chunks, opt, True, KINDS.get(fmt, "fully_reshardable")),
+                                         f"{path}/{fmt}")
     for key, chunk in zip(_model_keys(chunks), chunks):
         chunk.load_state_dict(loaded[key])
     opt.load_state_dict(loaded["optimizer"])
@@ -179,6 +180,47 @@ def run_load(path: str, layout_name: str, formats: tuple = FORMATS) -> dict:
             report = _load(path, fmt, chunks, ddps, opt, sched)
             out[fmt] = {"state": model_space_state(opt, chunks, whole), "before": before, **report}
     return out
+
+
+def run_cross_load_warnings(path: str, layout_name: str, saved_by_core: bool, steps: int = 2) -> dict:
+    """Save a torch_dist fully_reshardable checkpoint in the layout with megatron-core's own optimizer
+    (``saved_by_core``) or megatron_opt's, load it with megatron_opt's (install()), and report what the load
+    logged about masters that disagree with the stored weights, and how many of the stored masters of the
+    word embedding (first stage) equal its stored weight."""
+    import logging
+
+    layout = LAYOUTS[layout_name]
+    mcore_cpu.init_parallel_state()
+    whole = _whole_init(0, layout)
+    dp = dist.get_world_size() // (layout.tp * layout.pp)
+    folder = cc.tmp_folder(path, "core" if saved_by_core else "ours")
+    with mcore_cpu.model_parallel_state(**layout.sizes()), cpu_megatron_core():
+        if not saved_by_core:
+            megatron_opt.megatron.install()
+        try:
+            chunks, ddps, opt, sched = _build(layout, whole, dp)
+            cmp.train(ddps, opt, sched, global_batches(steps, dp, GA, MB), True, GA, MB)
+            with cc.cpu(), cc.may_start_processes():
+                dist_checkpointing.save(_state_dict(chunks, opt, False), folder)
+        finally:
+            megatron_opt.megatron.uninstall()
+        with cc.cpu():
+            plain = dist_checkpointing.load_plain_tensors(folder)
+        master = plain["optimizer.state.param.embedding.word_embeddings.weight"]
+        rows_equal = int((master == plain["embedding.word_embeddings.weight"]).all(1).sum())
+        records: list = []
+        handler = logging.Handler()
+        handler.emit = records.append  # type: ignore[method-assign]
+        log = logging.getLogger("megatron_opt")
+        log.addHandler(handler)
+        try:
+            with _installed(layout):
+                chunks, ddps, opt, sched = _build(layout, _whole_init(1, layout), dp)
+                _load(path, "core" if saved_by_core else "ours", chunks, ddps, opt, sched)
+        finally:
+            log.removeHandler(handler)
+    return {"warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+            "embedding_rows": (rows_equal, master.shape[0])}
 
 
 def run_save_refused(path: str) -> str:

@@ -1,0 +1,176 @@
+"""Megatron-LM's own pretrain_gpt.py on CPU: megatron-core's optimizer vs megatron_opt, per iteration.
+
+    python tools/megatron_lm_cpu/compare.py [--v0161 DIR PYTHON] [--main DIR PYTHON] [--versions v0161 main]
+        [--layouts DP2 TP2 PP2] [--fp32] [--no-resume] [--logs DIR]
+
+For each Megatron-LM version (a source tree with megatron/ and pretrain_gpt.py, and an interpreter with
+torch and megatron_opt installed) and each 2-rank layout, it launches run.py under torchrun twice with
+the same arguments (megatron-core's DistributedOptimizer, then megatron_opt through install()) and
+compares the iterations: max |Δ lm loss|, max |Δ grad norm| (full precision, from run.py's
+--precise-log line; the log line's rounded values are parsed as well and must agree), the zero count
+(--log-num-zeros-in-grad) and the loss scale. The resume check trains DP2 to iteration 3 with --save
+(torch_dist), resumes with --load to the end, and compares the resumed iterations with an uninterrupted
+run that saves at the same iteration; it also loads megatron-core's checkpoint with megatron_opt
+(cross). Needs nothing from this repository at run time but run.py, cpu_shim.py and stand_ins/.
+Logs go to --logs (a temporary folder by default); the exit status is 1 if a run failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ITERS = 6
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
+         "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
+         "--mock-data --tokenizer-type NullTokenizer --vocab-size 128").split()
+# CPU-only: gloo, no Transformer Engine / apex / fused CUDA kernels.
+CPU_ONLY = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+            "--no-persist-layer-norm --no-masked-softmax-fusion").split()
+UNDER_TEST = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --log-num-zeros-in-grad".split()
+LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--pipeline-model-parallel-size", "2"]}
+LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+.\dEe]+) \| loss scale: ([-+.\dEe]+) \| "
+                      r"grad norm: ([-+.\dEe]+) \|(?: num zeros: ([-+.\dEe]+) \|)?")
+
+
+def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: str, timeout: int = 240):
+    """One torchrun launch of run.py; returns (rc, seconds, {iteration: record})."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "run.py"), mlm_dir, "--precise-log"] + (["--megatron-opt"] if megatron_opt else [])
+    cmd += ["--"] + args
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    start = time.time()
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n")
+        out.flush()
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    return rc, time.time() - start, parse(log)
+
+
+def parse(log: str) -> dict[int, dict]:
+    """Per iteration: the precise record and the log line's (rounded) values."""
+    records: dict[int, dict] = {}
+    with open(log, errors="replace") as f:
+        for line in f:
+            if line.startswith("PRECISE "):
+                rec = json.loads(line[len("PRECISE "):])
+                records.setdefault(rec["iteration"], {}).update(
+                    loss=rec["losses"].get("lm loss"), grad_norm=rec["grad_norm"], num_zeros=rec["num_zeros"],
+                    loss_scale=rec["loss_scale"], skipped=rec["skipped"])
+            elif (m := LOG_LINE.search(line)):
+                records.setdefault(int(m.group(1)), {})["line"] = tuple(
+                    None if g is None else float(g) for g in m.groups()[1:])
+    return records
+
+
+def failure(log: str) -> str:
+    """The first exception line of a failed run's log, for the table."""
+    with open(log, errors="replace") as f:
+        lines = [re.sub(r"^\[rank\d+\]: ", "", line.rstrip()) for line in f]
+    for line in lines:
+        if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line) and "ChildFailedError" not in line:
+            return line[:300]
+    return "no exception line found"
+
+
+def diff(a: dict[int, dict], b: dict[int, dict], iterations) -> dict:
+    """max |Δ| of loss and grad norm over iterations, zero-count / loss-scale / log-line agreement."""
+    iterations = [i for i in iterations if i in a and i in b and "loss" in a[i] and "loss" in b[i]]
+    if not iterations:
+        return {"n": 0}
+    out = {"n": len(iterations),
+           "dloss": max(abs(a[i]["loss"] - b[i]["loss"]) for i in iterations),
+           "dnorm": max(abs(a[i]["grad_norm"] - b[i]["grad_norm"]) for i in iterations),
+           "zeros_differ": [(i, a[i]["num_zeros"], b[i]["num_zeros"]) for i in iterations
+                            if a[i]["num_zeros"] != b[i]["num_zeros"]],
+           "scale_same": all(a[i]["loss_scale"] == b[i]["loss_scale"] for i in iterations),
+           "skipped": sum(a[i]["skipped"] + b[i]["skipped"] for i in iterations),
+           "lines_same": all(a[i].get("line", (0,))[:3] == b[i].get("line", (1,))[:3] for i in iterations)}
+    return out
+
+
+def row(label: str, d: dict, iterations) -> str:
+    if not d.get("n"):
+        return f"{label:<34} no common iterations"
+    zeros = "all equal" if not d["zeros_differ"] else "differ at " + ", ".join(
+        f"it{i}: {x:g} vs {y:g}" for i, x, y in d["zeros_differ"])
+    return (f"{label:<34} {d['n']}/{len(iterations)} its  max|Δloss| {d['dloss']:.2e}  max|Δgnorm| {d['dnorm']:.2e}  "
+            f"log lines {'equal' if d['lines_same'] else 'DIFFER'}  loss scale {'equal' if d['scale_same'] else 'DIFFER'}"
+            f"  skipped {d['skipped']}  zeros: {zeros}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--v0161", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/v0161", "/work/main/.venv/bin/python"])
+    p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/main", "/work/main/.venv312/bin/python"])
+    p.add_argument("--versions", nargs="+", default=["v0161", "main"], choices=["v0161", "main"])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--fp32", action="store_true", help="train in fp32 (default: --bf16)")
+    p.add_argument("--no-resume", action="store_true", help="skip the checkpoint resume check")
+    p.add_argument("--no-matrix", action="store_true", help="only the resume check")
+    p.add_argument("--extra", default="", help="more pretrain_gpt.py arguments for every run (one string)")
+    p.add_argument("--logs", help="folder for the run logs and checkpoints (default: a temporary folder)")
+    opts = p.parse_args()
+    logs = opts.logs or tempfile.mkdtemp(prefix="megatron_lm_cpu.")
+    os.makedirs(logs, exist_ok=True)
+    base = MODEL + ["--train-iters", str(ITERS)] + CPU_ONLY + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
+    all_its = range(1, ITERS + 1)
+    report, failed = [], False
+
+    def run(version, name, megatron_opt, args):
+        nonlocal failed
+        mlm_dir, python = getattr(opts, version)
+        log = os.path.join(logs, f"{version}.{name}.{'mo' if megatron_opt else 'mcore'}.log")
+        rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log)
+        status = "ok" if rc == 0 else f"FAILED rc={rc}: {failure(log)}"
+        print(f"  {version:<6} {name:<18} {'megatron_opt' if megatron_opt else 'megatron-core':<13} {secs:5.1f}s  "
+              f"{len(recs)} its  {status}  ({log})", flush=True)
+        failed |= rc != 0
+        return recs
+
+    for version in opts.versions:
+        for layout in [] if opts.no_matrix else opts.layouts:
+            args = base + LAYOUTS[layout]
+            mcore, mo = run(version, layout, False, args), run(version, layout, True, args)
+            report.append(row(f"{version} {layout} mcore vs megatron_opt", diff(mcore, mo, all_its), all_its))
+        if opts.no_resume:
+            continue
+        resumed_its = range(4, ITERS + 1)
+        for megatron_opt in (False, True):
+            tag = "mo" if megatron_opt else "mcore"
+            ckpt, ref_ckpt = os.path.join(logs, f"{version}.ckpt.{tag}"), os.path.join(logs, f"{version}.ckpt_ref.{tag}")
+            shutil.rmtree(ckpt, ignore_errors=True), shutil.rmtree(ref_ckpt, ignore_errors=True)
+            save = ["--ckpt-format", "torch_dist", "--save-interval", "3"]
+            ref = run(version, "uninterrupted", megatron_opt, base + save + ["--save", ref_ckpt])
+            run(version, "to-3", megatron_opt, base + save + ["--save", ckpt, "--exit-interval", "3"])
+            res = run(version, "resumed", megatron_opt, base + save + ["--save", ckpt, "--load", ckpt])
+            report.append(row(f"{version} DP2 resume {tag} vs uninterr.", diff(ref, res, resumed_its), resumed_its))
+            if megatron_opt:
+                continue
+            # megatron-core's checkpoint at iteration 3, loaded by megatron_opt
+            cross_ckpt = os.path.join(logs, f"{version}.ckpt_cross")
+            shutil.rmtree(cross_ckpt, ignore_errors=True)
+            shutil.copytree(ckpt, cross_ckpt)
+            with open(os.path.join(cross_ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("3")
+            shutil.rmtree(os.path.join(cross_ckpt, "iter_0000006"), ignore_errors=True)
+            cross = run(version, "cross-resumed", True, base + save + ["--save", cross_ckpt, "--load", cross_ckpt])
+            report.append(row(f"{version} DP2 mcore ckpt -> megatron_opt", diff(ref, cross, resumed_its), resumed_its))
+
+    print(f"\n{'bf16' if not opts.fp32 else 'fp32'}, {ITERS} iterations, extra {opts.extra.split()}, logs in {logs}")
+    print("\n".join(report))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
