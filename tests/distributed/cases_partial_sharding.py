@@ -363,3 +363,24 @@ def run_missing_backward_on_one_rank(k: int) -> str:
 
 
 __all__ = [name for name in dir(sys.modules[__name__]) if name.startswith("run_")]
+
+
+def run_zero_count(k: int) -> dict:
+    """One step with k instances and log_num_zeros_in_grad: the step's num_zeros and a float64 count of the
+    whole model's zero gradient elements on the same global batch (each element once, not once per instance)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = TinyLM()
+    ref = TinyLM().double()
+    ref.load_state_dict({n: p.detach().double() for n, p in model.state_dict().items()})
+    ddp, opt = build_partial(model, k, log_num_zeros_in_grad=True)
+    batches = global_batch(world, seed=3)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    x, y = batches[rank]
+    loss, n = token_loss_sum(ddp(x), y)
+    opt.scale_loss(loss / n).backward()
+    success, _, num_zeros = opt.step()
+    ref_loss = sum(token_loss_sum(ref(bx), by)[0] / (by != -100).sum() for bx, by in batches) / world
+    ref_loss.backward()
+    return {"success": bool(success), "num_zeros": num_zeros,
+            "ref_zeros": int(sum((p.grad == 0).sum() for p in ref.parameters()))}

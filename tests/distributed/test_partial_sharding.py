@@ -247,3 +247,12 @@ def test_chained_optimizer_norm_counts_each_element_once(pools):
 
 def test_missing_backward_on_one_rank_raises_on_every_rank(pools):
     assert pools(DP).run(cases.run_missing_backward_on_one_rank, 2, timeout=BOUND_S) == ["raised"] * DP
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_zero_count_counts_each_element_once(pools, k):
+    """--log-num-zeros-in-grad with k instances (each holds the whole model once) counts every zero gradient
+    element of the model once, as a float64 count of the whole model does."""
+    for res in pools(DP).run(cases.run_zero_count, k, timeout=BOUND_S):
+        assert res["success"] and res["ref_zeros"] > 0, res
+        assert res["num_zeros"] == res["ref_zeros"], res
