@@ -172,8 +172,8 @@ class OptimizerConfig:
     adam_eps: float = 1e-08
     decoupled_weight_decay: bool = True
     sgd_momentum: float = 0.9
-    lion_beta1: float = 0.9  # megatron_opt only (Megatron-LM has no Lion): the interpolation for the sign
-    lion_beta2: float = 0.99  # megatron_opt only: the momentum decay
+    lion_beta1: float = 0.95  # the interpolation for the sign (megatron-core 0.19's default, as --lion-beta1)
+    lion_beta2: float = 0.98  # the momentum decay (megatron-core 0.19's default, as --lion-beta2)
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False

@@ -115,8 +115,8 @@ class SGD(UpdateRule):
 class Lion(UpdateRule):
     """Lion (Chen et al., 2023): the sign of an interpolated momentum, decoupled weight decay."""
 
-    beta1: float = 0.9
-    beta2: float = 0.99
+    beta1: float = 0.95
+    beta2: float = 0.98
     name: ClassVar[str] = "lion"
 
     def state_dtypes(self) -> dict[str, torch.dtype]:

@@ -124,6 +124,8 @@ def _add_optimizer_args(g: _Group) -> None:
     g.value("--adam-beta2", float, 0.999)
     g.value("--adam-eps", float, 1e-8)
     g.value("--sgd-momentum", float, 0.9)
+    g.value("--lion-beta1", float, 0.95)
+    g.value("--lion-beta2", float, 0.98)
     g.switch("--use-precision-aware-optimizer",
              help="Megatron-LM's precision-aware optimizer: the dtypes below, and bf16 params' masters kept as the "
                   "param plus a 16-bit remainder")
