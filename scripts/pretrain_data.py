@@ -166,7 +166,11 @@ def build_tokenizer(args: argparse.Namespace) -> Any:
     from megatron.core.tokenizers import MegatronTokenizer
 
     if args.tokenizer_type == "NullTokenizer":
-        return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"}, vocab_size=args.vocab_size)
+        from megatron.core.tokenizers import megatron_tokenizer
+
+        # megatron-core 0.16 names the null tokenizer's library "null", 0.19 "null-text"
+        library = "null" if "null" in getattr(megatron_tokenizer, "TOKENIZER_LIBRARIES", ()) else "null-text"
+        return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=args.vocab_size)
     return MegatronTokenizer.from_pretrained(tokenizer_path=args.tokenizer_model,
                                              metadata_path={"library": "huggingface"})
 

@@ -95,7 +95,8 @@ def diff(a: dict[int, dict], b: dict[int, dict], iterations) -> dict:
                             if a[i]["num_zeros"] != b[i]["num_zeros"]],
            "scale_same": all(a[i]["loss_scale"] == b[i]["loss_scale"] for i in iterations),
            "skipped": sum(a[i]["skipped"] + b[i]["skipped"] for i in iterations),
-           "lines_same": all(a[i].get("line", (0,))[:3] == b[i].get("line", (1,))[:3] for i in iterations)}
+           "lines_same": all(a[i].get("line", (0,))[:3] == b[i].get("line", (1,))[:3] for i in iterations)
+           if 1 in iterations else None}
     return out
 
 
@@ -105,7 +106,7 @@ def row(label: str, d: dict, iterations) -> str:
     zeros = "all equal" if not d["zeros_differ"] else "differ at " + ", ".join(
         f"it{i}: {x:g} vs {y:g}" for i, x, y in d["zeros_differ"])
     return (f"{label:<34} {d['n']}/{len(iterations)} its  max|Δloss| {d['dloss']:.2e}  max|Δgnorm| {d['dnorm']:.2e}  "
-            f"log lines {'equal' if d['lines_same'] else 'DIFFER'}  loss scale {'equal' if d['scale_same'] else 'DIFFER'}"
+            f"log lines {({True: 'equal', False: 'DIFFER', None: 'n/a'})[d['lines_same']]}  loss scale {'equal' if d['scale_same'] else 'DIFFER'}"
             f"  skipped {d['skipped']}  zeros: {zeros}")
 
 
@@ -130,7 +131,7 @@ def main() -> int:
     def run(version, name, megatron_opt, args):
         nonlocal failed
         mlm_dir, python = getattr(opts, version)
-        log = os.path.join(logs, f"{version}.{name}.{'mo' if megatron_opt else 'mcore'}.log")
+        log = os.path.join(logs, f"{version}.{name.replace(' ', '.')}.{'mo' if megatron_opt else 'mcore'}.log")
         rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log)
         status = "ok" if rc == 0 else f"FAILED rc={rc}: {failure(log)}"
         print(f"  {version:<6} {name:<18} {'megatron_opt' if megatron_opt else 'megatron-core':<13} {secs:5.1f}s  "
@@ -138,37 +139,54 @@ def main() -> int:
         failed |= rc != 0
         return recs
 
+    save = ["--ckpt-format", "torch_dist", "--save-interval", "3"]
     for version in opts.versions:
+        refs = {}
         for layout in [] if opts.no_matrix else opts.layouts:
             args = base + LAYOUTS[layout]
-            mcore, mo = run(version, layout, False, args), run(version, layout, True, args)
-            report.append(row(f"{version} {layout} mcore vs megatron_opt", diff(mcore, mo, all_its), all_its))
+            recs = {}
+            for megatron_opt in (False, True):
+                extra = []
+                if layout == "DP2" and not opts.no_resume:  # DP2 doubles as the resume check's reference
+                    ref_ckpt = os.path.join(logs, f"{version}.ckpt_ref.{'mo' if megatron_opt else 'mcore'}")
+                    shutil.rmtree(ref_ckpt, ignore_errors=True)
+                    extra = save + ["--save", ref_ckpt]
+                recs[megatron_opt] = run(version, layout, megatron_opt, args + extra)
+            if layout == "DP2":
+                refs = recs
+            report.append(row(f"{version} {layout} mcore vs megatron_opt", diff(recs[False], recs[True], all_its), all_its))
         if opts.no_resume:
             continue
         resumed_its = range(4, ITERS + 1)
         for megatron_opt in (False, True):
             tag = "mo" if megatron_opt else "mcore"
-            ckpt, ref_ckpt = os.path.join(logs, f"{version}.ckpt.{tag}"), os.path.join(logs, f"{version}.ckpt_ref.{tag}")
-            shutil.rmtree(ckpt, ignore_errors=True), shutil.rmtree(ref_ckpt, ignore_errors=True)
-            save = ["--ckpt-format", "torch_dist", "--save-interval", "3"]
-            ref = run(version, "uninterrupted", megatron_opt, base + save + ["--save", ref_ckpt])
-            run(version, "to-3", megatron_opt, base + save + ["--save", ckpt, "--exit-interval", "3"])
-            res = run(version, "resumed", megatron_opt, base + save + ["--save", ckpt, "--load", ckpt])
-            report.append(row(f"{version} DP2 resume {tag} vs uninterr.", diff(ref, res, resumed_its), resumed_its))
+            if megatron_opt not in refs:
+                ref_ckpt = os.path.join(logs, f"{version}.ckpt_ref.{tag}")
+                shutil.rmtree(ref_ckpt, ignore_errors=True)
+                refs[megatron_opt] = run(version, "DP2", megatron_opt, base + save + ["--save", ref_ckpt])
+            ckpt = os.path.join(logs, f"{version}.ckpt.{tag}")
+            shutil.rmtree(ckpt, ignore_errors=True)
+            run(version, "DP2 to-3", megatron_opt, base + save + ["--save", ckpt, "--exit-interval", "3"])
+            res = run(version, "DP2 resumed", megatron_opt, base + save + ["--save", ckpt, "--load", ckpt])
+            report.append(row(f"{version} DP2 resume {tag} vs uninterr.", diff(refs[megatron_opt], res, resumed_its),
+                              resumed_its))
             if megatron_opt:
                 continue
-            # megatron-core's checkpoint at iteration 3, loaded by megatron_opt
+            # megatron-core's checkpoint of iteration 3, loaded by megatron_opt; against megatron-core's run
             cross_ckpt = os.path.join(logs, f"{version}.ckpt_cross")
             shutil.rmtree(cross_ckpt, ignore_errors=True)
-            shutil.copytree(ckpt, cross_ckpt)
+            os.makedirs(cross_ckpt)
+            shutil.copytree(os.path.join(ckpt, "iter_0000003"), os.path.join(cross_ckpt, "iter_0000003"))
             with open(os.path.join(cross_ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("3")
-            shutil.rmtree(os.path.join(cross_ckpt, "iter_0000006"), ignore_errors=True)
-            cross = run(version, "cross-resumed", True, base + save + ["--save", cross_ckpt, "--load", cross_ckpt])
-            report.append(row(f"{version} DP2 mcore ckpt -> megatron_opt", diff(ref, cross, resumed_its), resumed_its))
+            cross = run(version, "DP2 cross-resumed", True, base + save + ["--save", cross_ckpt, "--load", cross_ckpt])
+            report.append(row(f"{version} DP2 mcore ckpt -> megatron_opt", diff(refs[False], cross, resumed_its),
+                              resumed_its))
 
     print(f"\n{'bf16' if not opts.fp32 else 'fp32'}, {ITERS} iterations, extra {opts.extra.split()}, logs in {logs}")
     print("\n".join(report))
+    print("log lines: the log line's rounded lm loss / loss scale / grad norm; n/a after a resume (the first "
+          "logged iteration's loss is averaged into the next line)")
     return 1 if failed else 0
 
 

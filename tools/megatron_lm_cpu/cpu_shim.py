@@ -9,8 +9,11 @@ Two mechanisms:
     CUDA device (``device="cuda"``, ``device=torch.cuda.current_device()``, ``.to("cuda")``) gets the
     CPU instead, ``.cuda()`` returns the tensor, and ``Tensor.type()`` names CPU float tensors by
     their CUDA type name (megatron-core's optimizers accept only ``torch.cuda.*Tensor`` params);
-  * plain attribute patches of ``torch.cuda`` and of a few Megatron-LM names, listed in
-    ``_patches()``, each with the reason.
+  * plain attribute patches, each with the reason: ``torch.cuda`` and torch's DataLoader
+    (``_patches``), megatron-core (``_core_patches``, by ``install()``) and Megatron-LM's training
+    package (``_training_patches``, by ``install_training()``, after megatron_opt's install()).
+The "CUDA" RNG is the CPU generator (dropout runs on the CPU), so megatron's RNG tracker forks it and
+checkpoints save and restore it as on a GPU.
 """
 from __future__ import annotations
 
@@ -133,6 +136,7 @@ def _patches() -> list[tuple[object, str, object]]:
         (cuda, "max_memory_reserved", lambda device=None: 0),
         (cuda, "reset_peak_memory_stats", lambda device=None: None),
         (cuda, "memory_stats", lambda device=None: {}),
+        (torch.utils.data.DataLoader, "__init__", _data_loader_with_own_generator(torch.utils.data.DataLoader.__init__)),
     ]
 
 
@@ -175,6 +179,17 @@ class _Overlay(types.SimpleNamespace):
 
     def __getattr__(self, name):
         return getattr(object.__getattribute__(self, "_module"), name)
+
+
+def _data_loader_with_own_generator(original_init):
+    """A DataLoader draws its workers' base seed from the default generator each time an iterator is
+    made. On a GPU that is the CPU generator, which dropout (on the GPU) never reads; here the "CUDA"
+    generator is the CPU one, so the draw would shift dropout (Megatron-LM makes its train iterator
+    after loading a checkpoint: a resumed run would not reproduce). Each loader gets its own generator
+    unless given one; it seeds the loader's worker processes only."""
+    def __init__(self, *args, generator=None, **kwargs):
+        original_init(self, *args, generator=torch.Generator() if generator is None else generator, **kwargs)
+    return __init__
 
 
 _MODE = None

@@ -1,13 +1,17 @@
-"""Run Megatron-LM's own pretrain_gpt.py on CPU (gloo), optionally with megatron_opt switched in.
+"""Run Megatron-LM's own, unmodified pretrain_gpt.py on CPU (gloo), optionally with megatron_opt.
 
-    torchrun --standalone --nproc_per_node=2 tools/megatron_lm_cpu/run.py MEGATRON_LM_DIR [--megatron-opt] \
+    OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --standalone --nproc_per_node=2 \
+        tools/megatron_lm_cpu/run.py MEGATRON_LM_DIR [--megatron-opt] [--precise-log] \
         -- --distributed-backend gloo --transformer-impl local ... (pretrain_gpt.py's arguments)
 
-Order: put MEGATRON_LM_DIR first on sys.path (its megatron/ wins over an installed megatron-core), then
-``stand_ins/`` last (Megatron-LM's top-level gpt_builders.py / model_provider.py, only if the tree
-lacks them), apply the CPU shim (cpu_shim.py), with --megatron-opt do the one line
-``import megatron_opt.megatron; megatron_opt.megatron.install()``, then run pretrain_gpt.py as
-__main__ with the arguments after ``--``.
+In order: MEGATRON_LM_DIR goes first on sys.path (its megatron/ wins over an installed megatron-core)
+and ``stand_ins/`` last (Megatron-LM's top-level gpt_builders.py / model_provider.py, used only if the
+tree lacks them); the installed wheel's build of the dataset helpers is used if the tree has none;
+cpu_shim.install() (torch.cuda, megatron-core); with --megatron-opt the one line
+``import megatron_opt.megatron; megatron_opt.megatron.install()``, before megatron.training is
+imported, where the README puts it; cpu_shim.install_training(); with --precise-log a full-precision
+copy of each log line's numbers (``PRECISE {json}``); then pretrain_gpt.py runs as __main__ with the
+arguments after ``--``. compare.py runs the matrix.
 """
 import os
 import runpy
