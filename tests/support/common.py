@@ -93,7 +93,7 @@ class ReferenceLion(torch.optim.Optimizer):
     """Lion (Chen et al., 2023) written out per param, for float64 references: c = b1*m + (1-b1)*g,
     w = w*(1 - lr*wd) - lr*sign(c), m = b2*m + (1-b2)*g."""
 
-    def __init__(self, params, lr: float, betas=(0.9, 0.99), weight_decay: float = 0.0) -> None:
+    def __init__(self, params, lr: float, betas=(0.95, 0.98), weight_decay: float = 0.0) -> None:  # OptimizerConfig's
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()

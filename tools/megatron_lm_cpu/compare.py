@@ -3,7 +3,8 @@
     python tools/megatron_lm_cpu/compare.py [--v0161 DIR PYTHON] [--main DIR PYTHON] [--versions v0161 main]
         [--layouts DP2 TP2 PP2] [--fp32] [--no-resume] [--logs DIR]
 
-For each Megatron-LM version (a source tree with megatron/ and pretrain_gpt.py, and an interpreter with
+For each Megatron-LM version (a source tree with megatron/, pretrain_gpt.py, gpt_builders.py and
+model_provider.py, and an interpreter with
 torch and megatron_opt installed) and each 2-rank layout, it launches run.py under torchrun twice with
 the same arguments (megatron-core's DistributedOptimizer, then megatron_opt through install()) and
 compares the iterations: max |Δ lm loss|, max |Δ grad norm| (full precision, from run.py's
@@ -11,7 +12,7 @@ compares the iterations: max |Δ lm loss|, max |Δ grad norm| (full precision, f
 (--log-num-zeros-in-grad) and the loss scale. The resume check trains DP2 to iteration 3 with --save
 (torch_dist), resumes with --load to the end, and compares the resumed iterations with an uninterrupted
 run that saves at the same iteration; it also loads megatron-core's checkpoint with megatron_opt
-(cross). Needs nothing from this repository at run time but run.py, cpu_shim.py and stand_ins/.
+(cross). Needs nothing from this repository at run time but run.py and cpu_shim.py.
 Logs go to --logs (a temporary folder by default); the exit status is 1 if a run failed.
 """
 from __future__ import annotations

@@ -4,9 +4,11 @@
         tools/megatron_lm_cpu/run.py MEGATRON_LM_DIR [--megatron-opt] [--precise-log] \
         -- --distributed-backend gloo --transformer-impl local ... (pretrain_gpt.py's arguments)
 
-In order: MEGATRON_LM_DIR goes first on sys.path (its megatron/ wins over an installed megatron-core)
-and ``stand_ins/`` last (Megatron-LM's top-level gpt_builders.py / model_provider.py, used only if the
-tree lacks them); the installed wheel's build of the dataset helpers is used if the tree has none;
+MEGATRON_LM_DIR is a Megatron-LM source tree holding at least ``megatron/``, ``pretrain_gpt.py``,
+``gpt_builders.py`` and ``model_provider.py`` (from a clone: ``git archive REV megatron pretrain_gpt.py
+gpt_builders.py model_provider.py | tar -x -C DIR``). In order: MEGATRON_LM_DIR goes first on sys.path
+(its megatron/ wins over an installed megatron-core); the installed wheel's build of the dataset helpers
+is used if the tree has none;
 cpu_shim.install() (torch.cuda, megatron-core); with --megatron-opt the one line
 ``import megatron_opt.megatron; megatron_opt.megatron.install()``, before megatron.training is
 imported, where the README puts it; cpu_shim.install_training(); with --precise-log a full-precision
@@ -84,8 +86,12 @@ def main(argv):
     if len(paths) != 1:
         sys.exit(__doc__)
     mlm_dir = os.path.abspath(paths[0])
+    missing = [f for f in ("megatron", "pretrain_gpt.py", "gpt_builders.py", "model_provider.py")
+               if not os.path.exists(os.path.join(mlm_dir, f))]
+    if missing:
+        sys.exit(f"run.py: {mlm_dir} is not a Megatron-LM tree (no {', '.join(missing)}); extract one with "
+                 f"git archive REV megatron pretrain_gpt.py gpt_builders.py model_provider.py | tar -x -C DIR")
     sys.path[:0] = [mlm_dir]
-    sys.path.append(os.path.join(HERE, "stand_ins"))
     sys.path.insert(1, HERE)
     use_installed_dataset_helpers(mlm_dir)
     import cpu_shim
