@@ -192,23 +192,21 @@ def _data_loader_with_own_generator(original_init):
     return __init__
 
 
-_MODE = None
-
-
 def _apply(patches) -> None:
     for obj, name, value in patches:
         setattr(obj, name, value)
 
 
-def install() -> None:
-    """torch.cuda and megatron-core: patch, and enter the CUDA-to-CPU mode for the rest of the process.
-    Imports megatron.core but not megatron.training, so megatron_opt's install() can still come
-    before Megatron-LM's training code is imported (where the README puts the one line)."""
-    global _MODE
+def install() -> TorchFunctionMode:
+    """torch.cuda and megatron-core: patch, and enter the CUDA-to-CPU mode for the rest of the process
+    (returned: the caller keeps it). Imports megatron.core but not megatron.training, so megatron_opt's
+    install() can still come before Megatron-LM's training code is imported (where the README puts the
+    one line)."""
     _apply(_patches())
     _apply(_core_patches())
-    _MODE = _CudaToCpu()
-    _MODE.__enter__()
+    mode = _CudaToCpu()
+    mode.__enter__()
+    return mode
 
 
 def install_training() -> None:

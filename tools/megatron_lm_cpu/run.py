@@ -95,7 +95,7 @@ def main(argv):
     sys.path.insert(1, HERE)
     use_installed_dataset_helpers(mlm_dir)
     import cpu_shim
-    cpu_shim.install()
+    cuda_to_cpu = cpu_shim.install()  # noqa: F841  (entered for the rest of the process)
     if use_megatron_opt:
         import megatron_opt.megatron; megatron_opt.megatron.install()  # noqa: E702  (the one line)
     cpu_shim.install_training()
