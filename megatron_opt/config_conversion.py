@@ -19,10 +19,9 @@ from . import core_config_fields
 from .config import DistributedDataParallelConfig, OptimizerConfig
 from .errors import UnsupportedConfigError
 
-# TransformerConfig fields the data-parallel wrapper and the optimizer depend on, with the only
-# value megatron_opt runs (model parallelism is not implemented: the norm and the buffers would
-# be wrong, not merely slow).
-# Model-parallel sizes are accepted; DistributedDataParallel checks them against its groups.
+# TransformerConfig fields the data-parallel wrapper and the optimizer depend on, with the only value
+# megatron_opt runs (fp8 params are not implemented). Model-parallel sizes are accepted;
+# DistributedDataParallel checks them against its groups.
 _TRANSFORMER_REQUIRED: dict[str, Any] = {
     "fp8_param": False,
 }
