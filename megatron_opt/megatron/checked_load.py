@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 from .. import collectives
 from ..errors import CheckpointError
@@ -23,17 +23,6 @@ from ..optimizer.sharded_layouts import FULLY_RESHARDABLE_FLAG
 # prefix (the dp group and buffer), bucket index, state name
 _BUCKET_KEY = re.compile(r"^(?P<buffer>.*optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*)"
                          r"\.bucket_idx_(?P<bucket>\d+)\.(?P<state>[^.]+)$")
-
-
-def _sharded_tensors(tree: Any) -> Iterator[Any]:
-    if isinstance(tree, dict):
-        for value in tree.values():
-            yield from _sharded_tensors(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from _sharded_tensors(value)
-    elif hasattr(tree, "key") and hasattr(tree, "global_shape"):
-        yield tree
 
 
 def _layout(lengths: dict[str, int]) -> dict[str, dict[int, int]]:
@@ -85,8 +74,11 @@ def check_bucket_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
     ``sharded_state_dict`` asks for is laid out in other buckets in ``checkpoint_dir``; nothing when it
     asks for none, or the checkpoint is not a torch_dist folder. A collective over the default group
     (every rank calls dist_checkpointing.load together)."""
-    requested = {t.key: int(t.global_shape[0]) for t in _sharded_tensors(sharded_state_dict)
-                 if _BUCKET_KEY.match(str(t.key)) and len(t.global_shape) == 1}
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    requested = {t.key: int(t.global_shape[0]) for t in nested_values(sharded_state_dict)
+                 if isinstance(t, ShardedTensor) and len(t.global_shape) == 1 and _BUCKET_KEY.match(t.key)}
     try:
         problem: Any = _problem(requested, str(checkpoint_dir)) if requested else None
     except Exception as exc:  # an unreadable .metadata: every rank hears of it, none waits in the load

@@ -23,12 +23,10 @@ def count_zeros_in_norm(grad: torch.Tensor, table: PieceTable) -> torch.Tensor:
     grad's device (no host read). The zero count follows the norm's counting rule (a tensor-parallel
     duplicate or a tied copy counts on one rank only), so that Megatron-LM's num_zeros, like its grad
     norm, counts each logical element once."""
-    runs = table.norm_runs()
     nonzero = torch.zeros((), dtype=torch.int64, device=grad.device)
-    for s, e in runs:
+    for s, e in table.norm_runs():  # runs may span gaps; the gaps are zero and not in_norm_covered
         nonzero = nonzero + torch.count_nonzero(grad[s:e])
-    in_norm_elements = sum(e - s for s, e in runs) - table.padding_in_norm_runs()
-    return (in_norm_elements - nonzero).double()
+    return (table.in_norm_covered - nonzero).double()
 
 
 def zero_gaps(grad: torch.Tensor, table: PieceTable) -> torch.Tensor:

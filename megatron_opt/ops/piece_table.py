@@ -62,10 +62,10 @@ class PieceTable:
     def norm_runs(self) -> list[tuple[int, int]]:
         return [(s, e) for s, e, k in self.runs(self.in_norm) if k]
 
-    def padding_in_norm_runs(self) -> int:
-        """Gap elements inside the norm runs: what a zero count over ``norm_runs`` must leave out."""
-        in_norm_covered = sum(e - s for s, e, k in zip(self.starts, self.ends, self.in_norm) if k)
-        return sum(e - s for s, e in self.norm_runs()) - in_norm_covered
+    @property
+    def in_norm_covered(self) -> int:
+        """Elements of the in-norm pieces (gaps excluded)."""
+        return sum(e - s for s, e, k in zip(self.starts, self.ends, self.in_norm) if k)
 
     def group_runs(self) -> list[tuple[int, int, int]]:
         return self.runs(self.group)  # type: ignore[return-value]

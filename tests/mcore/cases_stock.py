@@ -23,13 +23,6 @@ from cases_megatron import forward_step, global_batches, schedule
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
-def installed_label() -> str:
-    """The recorded Megatron-LM whose megatron-core matches the installed one."""
-    from megatron.core import package_info
-
-    return "core_v0.16.1" if package_info.__version__.startswith("0.16") else "main-d98e8a64"
-
-
 def _full_param_layout(chunk: torch.nn.Module, ddp_config, dp_size: int):
     """What Megatron-LM main's get_model computes for the distributed optimizer (None where this
     megatron-core has no such layout, or the DDP config does not shard)."""
@@ -42,7 +35,7 @@ def _full_param_layout(chunk: torch.nn.Module, ddp_config, dp_size: int):
 
 def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2) -> dict:
     """Per-step (success, grad norm, num_zeros, loss scale), the step losses and the final model params."""
-    label = installed_label()
+    label = recorded.installed_label()
     mcore_cpu.init_parallel_state()
     world, rank = dist.get_world_size(), dist.get_rank()
     ddp_item, opt_item = recorded.entry(label, launch, "ddp"), recorded.entry(label, launch, "optimizer")

@@ -25,6 +25,14 @@ LABELS = ("core_v0.16.1", "main-d98e8a64")
 LAUNCHES = ("stock", "distributed_optimizer_overlap_bf16")
 
 
+def installed_label() -> str:
+    """The recorded Megatron-LM whose megatron-core generation is installed: 0.16.x is core_v0.16.1's,
+    anything newer main's (0.19.2 is checked)."""
+    from megatron.core import package_info
+
+    return "core_v0.16.1" if package_info.__version__.startswith("0.16") else "main-d98e8a64"
+
+
 def load() -> dict:
     with open(FIXTURE) as f:
         return json.load(f)
@@ -78,4 +86,4 @@ def core_kwargs(item: dict, cls: type) -> dict[str, Any]:
 
 
 
-__all__ = ["FIXTURE", "LABELS", "LAUNCHES", "load", "entry", "passed", "rebuilt", "core_kwargs", "value"]
+__all__ = ["FIXTURE", "LABELS", "LAUNCHES", "installed_label", "load", "entry", "passed", "rebuilt", "core_kwargs", "value"]
