@@ -83,7 +83,8 @@ def test_dp_reshardable_with_more_buckets_is_refused_naming_both_layouts(pools, 
     check torch.distributed.checkpoint fails with a missing-key error naming neither cause nor fix."""
     path = cc.tmp_folder(str(tmp_path), "dp_more")
     pools(2).run(cc.run_save, path, saved_by_ours, "dp_reshardable", None, 1, 0)
-    for result in pools(2).run(cc.run_load_with_other_buckets_installed, path, 2000):
+    # timeout: every rank must come back from the refusal in time (none left waiting in the load)
+    for result in pools(2).run(cc.run_load_with_other_buckets_installed, path, 2000, timeout=120):
         assert result["type"] == "CheckpointError", result
         assert "--dist-ckpt-optim-fully-reshardable" in result["error"], result
         assert "--ddp-bucket-size" in result["error"] and "1 bucket(s)" in result["error"], result
