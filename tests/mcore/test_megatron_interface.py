@@ -160,15 +160,26 @@ def test_checkpoint_members_reach_the_module():
 
 
 def test_grad_sync_accepts_megatron_core_arguments():
-    model = TinyLM()
+    """The calls megatron-core's schedules make do what they say: start_grad_sync(params) launches every
+    bucket, finish_grad_sync(force_all_reduce=False) leaves the whole gradient in main_grad (one rank),
+    and start_param_sync(params) / (force_sync=True, force_dispatch=True) leave the params as they are."""
+    model, reference = TinyLM(), TinyLM()
     ddp = mo.DistributedDataParallel(_tc(), CoreDDPConfig(use_distributed_optimizer=True), model)
     ddp.zero_grad_buffer()
-    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    x = torch.zeros(1, 4, dtype=torch.long)
+    model(x).sum().backward()
+    reference(x).sum().backward()
     params = list(model.parameters())
     ddp.start_grad_sync(params)  # interleaved schedules pass the chunk's params positionally
+    with pytest.raises(mo.LateGradientError, match="launched"):  # every bucket was launched
+        ddp.add_grad(params[0], torch.ones_like(params[0]))
     ddp.finish_grad_sync(force_all_reduce=False)
+    for p, ref in zip(params, reference.parameters()):
+        assert torch.equal(p.main_grad, ref.grad)
+    before = [p.detach().clone() for p in params]
     ddp.start_param_sync(params)  # not taken as force_sync
     ddp.start_param_sync(force_sync=True, force_dispatch=True)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
 def test_fused_wgrad_gradients_are_not_added_twice():

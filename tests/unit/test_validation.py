@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from megatron_opt.config import DistributedDataParallelConfig, OptimizerConfig
+from megatron_opt.config import DistributedDataParallelConfig, OptimizerConfig, config_fields
 from megatron_opt.errors import InvalidConfigError, UnsupportedConfigError
 from megatron_opt.optimizer.hyperparams import check_param_groups
 
@@ -248,7 +248,13 @@ def test_megatron_core_default_instances_construct():
 @pytest.mark.parametrize("optimizer", ["adam", "sgd", "lion"])
 @pytest.mark.parametrize("precision", [{}, {"fp16": True}, {"bf16": True}])
 def test_defaults_construct_for_every_optimizer(optimizer, precision):
-    OptimizerConfig(lr=LR, optimizer=optimizer, **precision)
+    """Every optimizer in every precision is accepted with every other field at its default, and
+    construction changes no field but the ones chosen."""
+    chosen = {"optimizer": optimizer, **precision}
+    config, default = OptimizerConfig(lr=LR, **chosen), OptimizerConfig(lr=LR)
+    changed = {name: getattr(config, name) for name in config_fields(OptimizerConfig)
+               if getattr(config, name) != getattr(default, name)}
+    assert changed == {name: value for name, value in chosen.items() if value != getattr(default, name)}
 
 
 # --------------------------------------------------------------------------------------------------
