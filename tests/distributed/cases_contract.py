@@ -1,8 +1,10 @@
 """Worker-side cases for CONTRACT rules 1-9 (the optimizer and the DDP buffers)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -127,6 +129,37 @@ def rule02_scaler_cadence() -> dict:
 
 
 # --------------------------------------------------------------------------- rules 3 and 4
+@contextlib.contextmanager
+def _all_reduces_by_kind() -> Iterator[dict]:
+    """Count the all-reduces made inside the block, through the public collectives module: those of an
+    agreement (collectives.agree_each_step: fail on every rank together) in ``agreement_all_reduces``,
+    every other one per group (the group's global ranks) in ``stats_all_reduces``."""
+    counts: dict = {"stats_all_reduces": {}, "agreement_all_reduces": 0}
+    inside_agreement = []
+    real_all_reduce, real_agree = collectives.all_reduce, collectives.agree_each_step
+
+    def all_reduce(tensor, group, *args, **kwargs):
+        if inside_agreement:
+            counts["agreement_all_reduces"] += 1
+        else:
+            ranks = tuple(collectives.global_ranks(group))
+            counts["stats_all_reduces"][ranks] = counts["stats_all_reduces"].get(ranks, 0) + 1
+        return real_all_reduce(tensor, group, *args, **kwargs)
+
+    def agree_each_step(*args, **kwargs):
+        inside_agreement.append(True)
+        try:
+            return real_agree(*args, **kwargs)
+        finally:
+            inside_agreement.pop()
+
+    collectives.all_reduce, collectives.agree_each_step = all_reduce, agree_each_step
+    try:
+        yield counts
+    finally:
+        collectives.all_reduce, collectives.agree_each_step = real_all_reduce, real_agree
+
+
 def rule03_global_overflow_decision() -> dict:
     """inf planted in one element of rank 1's own shard only: every rank must skip, the scaler backs
     off exactly once, nothing changes, and the decision takes one packed all-reduce."""
@@ -147,15 +180,10 @@ def rule03_global_overflow_decision() -> dict:
         if step == 1 and rank == 1:
             _poison_first_owned_grad(ddp, offset=1)
         before_params, before_state = flat_params(model), _optimizer_state(opt)
-        calls = []
-        real = collectives.all_reduce
-        collectives.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1]
-        try:
+        with _all_reduces_by_kind() as calls:
             out = opt.step()
-        finally:
-            collectives.all_reduce = real
         results.append(dict(
-            out=out, scale=float(opt.get_loss_scale()), calls=calls,
+            out=out, scale=float(opt.get_loss_scale()), **calls,
             params_unchanged=torch.equal(before_params, flat_params(model)),
             state_unchanged=all(torch.equal(a, b) for a, b in zip(before_state, _optimizer_state(opt))),
             skipped=opt.skipped_steps, reason=opt.last_skip_reason and opt.last_skip_reason.value))

@@ -32,15 +32,19 @@ def test_contract_02_scaler_updates_once_per_step(pools):
 
 def test_contract_03_global_overflow_decision(pools):
     """R10: an inf seen by one rank's shard only must make every rank skip, and the decision is one
-    packed all-reduce of [found_inf, sumsq, zeros, missing-backward]."""
+    packed all-reduce per stats group (of [found_inf, sumsq, zeros, missing-backward], whatever its
+    length): a second all-reduce, or the statistics sent unpacked, fail it."""
     results = pools(2).run(cc.rule03_global_overflow_decision)
+    one_per_stats_group = {(0, 1): 1}  # one stats group here: the data-parallel group, both ranks
     for res in results:
         clean, bad = res["steps"]
-        # An applied step adds one 1-element agreement before the param all-gather (did the update
-        # fail on any rank); the decision itself is the one packed all-reduce.
-        assert clean["out"][0] is True and clean["calls"] == [4, 1]
+        # An applied step adds one agreement before the param all-gather (did the update fail on
+        # any rank); the decision itself is the one packed all-reduce per stats group.
+        assert clean["out"][0] is True
+        assert clean["stats_all_reduces"] == one_per_stats_group and clean["agreement_all_reduces"] == 1, clean
         assert bad["out"] == (False, None, None)
-        assert bad["calls"] == [4], "the skip decision must be one all-reduce"
+        assert bad["stats_all_reduces"] == one_per_stats_group, "the skip decision must be one all-reduce"
+        assert bad["agreement_all_reduces"] == 0, bad
         assert bad["params_unchanged"] and bad["state_unchanged"]
         assert bad["scale"] == clean["scale"] / 2, "the dynamic scale must halve exactly once"
         assert bad["reason"] == "overflow"
