@@ -1,16 +1,10 @@
 import os
-import sys
 
 import pytest
 import torch
 
 import megatron_opt.ops as ops
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
-
-from dist_harness import Pools, add_import_dirs  # noqa: E402
-
-add_import_dirs()
+from tests.support.dist_harness import Pools
 
 
 SLOW = os.environ.get("MEGATRON_OPT_SLOW") == "1"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
-from common import VOCAB, SEQ, TinyLM, token_loss_sum
+from tests.support.common import VOCAB, SEQ, TinyLM, token_loss_sum
 
 PRECISIONS = {
     "fp32": dict(dtype=torch.float32, opt=dict()),

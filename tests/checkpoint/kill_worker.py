@@ -1,4 +1,5 @@
-"""Kill -9 a rank in the middle of a checkpoint save (run as a script by test_checkpoint_kill.py).
+"""Kill -9 a rank in the middle of a checkpoint save (run as a script by test_checkpoint_kill.py, with the
+repository root on PYTHONPATH so that it imports tests.support and tests.checkpoint).
 
     python tests/checkpoint/kill_worker.py --ckpt DIR --kill-at POINT --kill-rank R --marker-dir M
         2 gloo ranks train the fp32 TinyLM run of cases_checkpoint.py, saving every SAVE_EVERY
@@ -34,10 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
-TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(TESTS_DIR), "support"))
-sys.path.insert(0, TESTS_DIR)
-from dist_harness import file_rendezvous  # noqa: E402
+from tests.support.dist_harness import file_rendezvous
+
 WORLD = 2
 SAVE_EVERY, KILL_ITERATION, FINAL, KEEP = 2, 4, 6, 1
 PG_TIMEOUT_S = 60
@@ -183,7 +182,7 @@ def install_hook(point: str, rank: int, marker_dir: str) -> None:
 # ----------------------------------------------------------------------------- the ranks
 def _train_and_save(ddp, opt, sched, start: int, stop: int, ckpt_dir: str, before_save=None) -> None:
     """Iterations start+1 .. stop, one optimizer step each, saving every SAVE_EVERY (as a training loop does)."""
-    import cases_checkpoint as cc
+    from tests.checkpoint import cases_checkpoint as cc
     import megatron_opt.checkpoint as ckpt
 
     for it in range(start + 1, stop + 1):
@@ -198,7 +197,7 @@ def _train_and_save(ddp, opt, sched, start: int, stop: int, ckpt_dir: str, befor
 def _fresh_run(rank: int, resumed: bool):
     import torch
 
-    import cases_checkpoint as cc
+    from tests.checkpoint import cases_checkpoint as cc
 
     # The seeding of cases_checkpoint.resume_case: a resumed run starts from another init and another
     # RNG state, so only load() can make it agree with the straight run.
@@ -208,13 +207,13 @@ def _fresh_run(rank: int, resumed: bool):
 
 
 def _digest(model, opt, sched) -> dict:
-    import cases_checkpoint as cc
+    from tests.checkpoint import cases_checkpoint as cc
 
     return cc.digest(model, opt, sched)
 
 
 def _rank_kill(rank: int, args) -> None:
-    import cases_checkpoint as cc
+    from tests.checkpoint import cases_checkpoint as cc
     import megatron_opt.checkpoint as ckpt
 
     model, ddp, opt, sched = _fresh_run(rank, resumed=False)

@@ -15,7 +15,7 @@ import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
 from megatron_opt.optimizer.boxes import flat_range_to_boxes
 
-import cases_checkpoint as cc
+from tests.checkpoint import cases_checkpoint as cc
 
 STEPS = 4
 

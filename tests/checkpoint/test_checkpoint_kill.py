@@ -251,8 +251,7 @@ def test_kill_during_save_then_resume_bit_exact(point: Point, killed, reference)
 
 def test_every_point_is_covered():
     """At least 10 distinct points; both ranks are killed somewhere; each HOOKS entry has a case."""
-    sys.path.insert(0, str(TESTS_DIR))
-    import kill_worker
+    from tests.checkpoint import kill_worker
 
     pts = _points()
     assert {p.name for p in pts} == set(kill_worker.HOOKS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common import TinyLM, build, global_batch, token_loss_sum
+from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
 
 def _train(ddp, opt, steps: int = 2) -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import flat_params
+from tests.support.common import flat_params
 
 
 class ExpertModel(torch.nn.Module):

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from cases_parity import MasterWeightReference
-from common import (TinyLM, assert_identical_across_ranks, flat_params, global_batch, microbatch_contexts,
+from tests.distributed.cases_parity import MasterWeightReference
+from tests.support.common import (TinyLM, assert_identical_across_ranks, flat_params, global_batch, microbatch_contexts,
                     rank_microbatches, rel_l2, token_loss_sum, train_with_reference)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

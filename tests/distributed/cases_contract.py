@@ -12,7 +12,7 @@ import torch.distributed as dist
 import megatron_opt as mo
 from megatron_opt import ops
 from megatron_opt import collectives
-from common import (Probe, TinyLM, assert_identical_across_ranks, build, flat_params, fp64_copy,
+from tests.support.common import (Probe, TinyLM, assert_identical_across_ranks, build, flat_params, fp64_copy,
                     full_main_params, full_reduced_grads, global_batch, microbatch_contexts,
                     sgd_exact, token_loss_sum)
 

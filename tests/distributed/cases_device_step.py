@@ -6,7 +6,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from common import TinyLM, build, flat_params, global_batch, token_loss_sum
+from tests.support.common import TinyLM, build, flat_params, global_batch, token_loss_sum
 
 # Per step: a grad multiplier and the lr. The plain norm is ~12: x0.1 clips with a coefficient in
 # (0.5, 1), x1 and up clip harder, x10 crosses a threshold of 100, inf is an overflow on rank 0, and

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import TinyLM, build, global_batch, token_loss_sum
+from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
 
 def _catch(fn) -> str:

@@ -7,7 +7,7 @@ import weakref
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import TinyLM, global_batch, rank_microbatches, token_loss_sum
+from tests.support.common import TinyLM, global_batch, rank_microbatches, token_loss_sum
 
 
 def run_dropped_wrapper_is_freed(overlap: bool) -> dict:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import (TinyLM, fp64_copy, global_batch, reference_adamw, rel_l2, token_loss_sum)
+from tests.support.common import (TinyLM, fp64_copy, global_batch, reference_adamw, rel_l2, token_loss_sum)
 
 LR, WD, CLIP = 1e-2, 0.1, 1.0
 

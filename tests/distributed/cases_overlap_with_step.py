@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import megatron_opt as mo
-from common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, global_batch,
+from tests.support.common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, global_batch,
                     rank_microbatches, rel_l2, token_loss_sum)
-from cases_parity import PRECISIONS, MasterWeightReference
+from tests.distributed.cases_parity import PRECISIONS, MasterWeightReference
 
 
 class FirstChunk(torch.nn.Module):

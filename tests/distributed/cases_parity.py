@@ -6,7 +6,7 @@ import copy
 import torch
 import torch.distributed as dist
 
-from common import (TinyLM, assert_identical_across_ranks, build, cosine_diff, flat_params, fp64_copy,
+from tests.support.common import (TinyLM, assert_identical_across_ranks, build, cosine_diff, flat_params, fp64_copy,
                     full_main_params, reference_optimizer,
                     rel_l2, token_loss_sum, train_with_reference)
 

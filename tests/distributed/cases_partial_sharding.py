@@ -16,10 +16,10 @@ import torch.distributed as dist
 import megatron_opt as mo
 from megatron_opt import collectives
 from megatron_opt.distributed import ddp_call
-from common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, full_reduced_grads,
+from tests.support.common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, full_reduced_grads,
                     global_batch, microbatch_contexts, rank_microbatches, rel_l2, token_loss_sum,
                     train_with_reference)
-from cases_parity import PRECISIONS, MasterWeightReference
+from tests.distributed.cases_parity import PRECISIONS, MasterWeightReference
 
 
 def ddp_config(k: int, *, overlap: bool = False, grad_fp32: bool = True, bucket_size=None, core: bool = False):

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from common import TinyLM, build, global_batch, token_loss_sum
+from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
 
 class RecordingTimers:

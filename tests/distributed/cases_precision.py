@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, fp64_copy, full_main_params,
+from tests.support.common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, fp64_copy, full_main_params,
                     global_batch, rel_l2, token_loss_sum,
                     train_with_reference)
 

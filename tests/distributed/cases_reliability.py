@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from common import TinyLM, build, global_batch, token_loss_sum
+from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
 
 def _timed(fn) -> dict:
@@ -98,7 +98,7 @@ def param_changed_after_wrapping(kind: str) -> dict:
 def fp16_buffer_reduction(grad_fp32: bool) -> dict:
     """Each rank's gradient is 40000 per element; in an fp16 buffer their sum (80000) overflows fp16,
     the pre-scaled sum (20000 + 20000) does not."""
-    from common import Probe
+    from tests.support.common import Probe
 
     model = Probe(torch.float16, numel=64)
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from cases_device_step import SCHEDULE
-from cases_partial_sharding import build_partial
-from common import TinyLM, flat_params, global_batch, rank_microbatches, token_loss_sum
+from tests.distributed.cases_device_step import SCHEDULE
+from tests.distributed.cases_partial_sharding import build_partial
+from tests.support.common import TinyLM, flat_params, global_batch, rank_microbatches, token_loss_sum
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 REPLICA_TARGET = "out.weight"  # a param no rank owns all of at DP >= 2

@@ -10,9 +10,9 @@ import torch
 
 import megatron_opt as mo
 import megatron_opt.ops as ops
-from common import TinyLM, build
+from tests.support.common import TinyLM, build
 
-import cases_boundary
+from tests.distributed import cases_boundary
 
 PACKAGE = pathlib.Path(mo.__file__).parent
 

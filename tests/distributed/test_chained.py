@@ -1,8 +1,8 @@
 """ChainedOptimizer: dense + expert-parallel children with one norm, one decision, one scaler."""
 import pytest
 
-import cases_chained as cch
-import cases_parity
+from tests.distributed import cases_chained as cch
+from tests.distributed import cases_parity
 
 
 def test_chained_optimizer_one_global_norm(pools):

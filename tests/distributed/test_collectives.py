@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import cases_collectives as cc
+from tests.distributed import cases_collectives as cc
 
 
 def test_a_failure_on_some_ranks_raises_on_every_rank(pools):

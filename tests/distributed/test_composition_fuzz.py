@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, seed, settings
 from hypothesis import strategies as st
 
-import cases_composition
+from tests.distributed import cases_composition
 
 PROFILE = os.environ.get("MEGATRON_OPT_FUZZ_PROFILE", "default")
 FUZZ_SEED = int(os.environ.get("MEGATRON_OPT_FUZZ_SEED", "0"))

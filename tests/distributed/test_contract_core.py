@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import cases_contract as cc
-from common import cosine_diff, rel_l2
+from tests.distributed import cases_contract as cc
+from tests.support.common import cosine_diff, rel_l2
 
 
 def test_contract_01_prepare_once(pools):
@@ -54,7 +54,7 @@ def test_contract_03_global_overflow_decision(pools):
 def test_contract_03_clip_uses_global_norm(pools):
     """T0.6: at W=3 with a gradient norm ~10x the clip threshold, the clip coefficient comes from the
     global norm of all shards: params match the clipped single-process reference."""
-    import cases_parity
+    from tests.distributed import cases_parity
 
     for res in pools(3).run(cases_parity.run_parity, "fp32", 1, False, loss_mult=10.0):
         assert all(ours > 2.0 for ours, _ in res["norms"]), "the test needs clipping to be active"

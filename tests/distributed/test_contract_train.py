@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 
-import cases_train
+from tests.distributed import cases_train
 
 RTOL = 1e-6
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-import cases_device_step as cds
+from tests.distributed import cases_device_step as cds
 
 
 @pytest.mark.parametrize("world", [1, 3])

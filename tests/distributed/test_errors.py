@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-import cases_errors as ce
+from tests.distributed import cases_errors as ce
 import megatron_opt as mo
-from common import TinyLM, build
+from tests.support.common import TinyLM, build
 
 
 def test_unsupported_param_dtype_names_the_param():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import cases_lifetime as cases
+from tests.distributed import cases_lifetime as cases
 
 BOUND_S = 60
 

@@ -2,7 +2,7 @@
 replicated tensor-parallel params counted once, and a NaN on one peer stopping every rank."""
 import pytest
 
-from cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
+from tests.distributed.cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
                                          run_edit_after_grad_sync_survives,
                                          run_optimizer_pg_collection_must_match_the_wrapper,
                                          run_tensor_parallel_replica_check,

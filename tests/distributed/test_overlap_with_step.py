@@ -13,8 +13,8 @@ import torch
 
 import megatron_opt as mo
 
-import cases_overlap_with_step as cases
-from test_parity import TOL
+from tests.distributed import cases_overlap_with_step as cases
+from tests.distributed.test_parity import TOL
 
 BOUND_S = 120  # a case that hangs (a rank stuck in a collective) fails the test after this
 

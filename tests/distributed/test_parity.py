@@ -3,7 +3,7 @@ overlap options on and off (overlap also uses several buckets). Params must be b
 on all ranks after the all-gather (checked inside the case)."""
 import pytest
 
-import cases_parity
+from tests.distributed import cases_parity
 
 # fp32 follows the fp64 reference to float32 rounding; bf16/fp16 forward passes add rounding noise
 # (reference/seeds.md section 0 tolerances, applied to the parameter *updates*, which is stricter).

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import megatron_opt as mo
 from megatron_opt.distributed.layout import build_buffer_layout, partial_sharding
 
-import cases_partial_sharding as cases
-from test_parity import TOL
+from tests.distributed import cases_partial_sharding as cases
+from tests.distributed.test_parity import TOL
 
 DP = 4
 BOUND_S = 120  # a case that hangs (a rank stuck in a collective) fails the test after this

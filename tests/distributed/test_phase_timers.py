@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-import cases_phase_timers as cpt
+from tests.distributed import cases_phase_timers as cpt
 from megatron_opt.optimizer import phase_timers as pt
 
 INF = float("inf")

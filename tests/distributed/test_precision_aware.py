@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cases_precision as cp
+from tests.distributed import cases_precision as cp
 import megatron_opt as mo
-from common import TinyLM
+from tests.support.common import TinyLM
 from megatron_opt.ops import precision
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

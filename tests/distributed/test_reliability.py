@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-import cases_reliability as cr
+from tests.distributed import cases_reliability as cr
 
 BOUND_S = 20
 
@@ -59,7 +59,7 @@ def test_16bit_grad_buffers_are_prescaled_before_their_reduction(pools, grad_fp3
 def _one_step(loss_fn, mode="per_token"):
 
     import megatron_opt as mo
-    from common import TinyLM, build, global_batch
+    from tests.support.common import TinyLM, build, global_batch
 
     ddp, opt = build(TinyLM())
     return mo.train_step(ddp, opt, None, global_batch(1, seed=2), loss_fn, loss_mode=mode)
@@ -74,7 +74,7 @@ def _one_step(loss_fn, mode="per_token"):
 def test_bad_loss_fn_outputs_get_clear_errors(returns, expect):
     import torch.nn.functional as F
 
-    from common import token_loss_sum
+    from tests.support.common import token_loss_sum
 
     def loss_fn(m, b):
         loss, n = token_loss_sum(m(b[0]), b[1])
@@ -94,7 +94,7 @@ def test_bad_loss_fn_outputs_get_clear_errors(returns, expect):
 
 def test_nested_no_sync_keeps_accumulating():
 
-    from common import TinyLM, build, global_batch, token_loss_sum
+    from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
     model = TinyLM()
     ddp, opt = build(model, overlap_grad=True)
@@ -130,7 +130,7 @@ def test_ranks_that_build_different_optimizers_raise_at_construction(pools, kind
 def test_nonfinite_optimizer_state_dict_is_refused_before_any_change():
     import torch
 
-    from common import TinyLM, build, global_batch, token_loss_sum
+    from tests.support.common import TinyLM, build, global_batch, token_loss_sum
 
     import megatron_opt as mo
 
@@ -171,7 +171,7 @@ def test_ddp_built_before_init_process_group_is_caught(monkeypatch):
     import torch.distributed as dist
 
     import megatron_opt as mo
-    from common import TinyLM
+    from tests.support.common import TinyLM
 
     ddp = mo.DistributedDataParallel(TinyLM(), mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
     ddp.zero_grad_buffer()  # fine while there is no process group
@@ -183,7 +183,7 @@ def test_ddp_built_before_init_process_group_is_caught(monkeypatch):
 
 def test_a_param_made_trainable_after_wrapping_is_caught():
     import megatron_opt as mo
-    from common import TinyLM
+    from tests.support.common import TinyLM
 
     model = TinyLM()
     model.fc.bias.requires_grad_(False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import cases_verify
+from tests.distributed import cases_verify
 
 TIMEOUT_S = 120  # every rank must finish (raise or go on) within this
 

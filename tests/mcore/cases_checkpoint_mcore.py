@@ -24,9 +24,9 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
-import cases_megatron as cm
-from mcore_cpu import cpu_megatron_core
+from tests.mcore import mcore_cpu
+from tests.mcore import cases_megatron as cm
+from tests.mcore.mcore_cpu import cpu_megatron_core
 
 import megatron.core.utils as core_utils  # noqa: E402
 from megatron.core import dist_checkpointing  # noqa: E402

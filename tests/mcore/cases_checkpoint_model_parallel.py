@@ -24,11 +24,11 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-import cases_checkpoint_mcore as cc
-import cases_model_parallel as cmp
-import mcore_cpu
-from cases_megatron import global_batches
-from mcore_cpu import cpu_megatron_core
+from tests.mcore import cases_checkpoint_mcore as cc
+from tests.mcore import cases_model_parallel as cmp
+from tests.mcore import mcore_cpu
+from tests.mcore.cases_megatron import global_batches
+from tests.mcore.mcore_cpu import cpu_megatron_core
 
 from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
 

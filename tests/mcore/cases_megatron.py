@@ -9,8 +9,8 @@ import types
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
-from mcore_cpu import cpu_megatron_core, token_losses
+from tests.mcore import mcore_cpu
+from tests.mcore.mcore_cpu import cpu_megatron_core, token_losses
 
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
@@ -280,7 +280,7 @@ def run_param_groups_match_megatron_core(kind: str, decoupled: bool) -> list:
 def run_force_all_reduce() -> dict:
     """finish_grad_sync(force_all_reduce=True): every rank's main_grad holds the whole reduced gradient,
     and the optimizer's step is the same as with the reduce-scatter."""
-    from common import TinyLM, global_batch, rank_microbatches, token_loss_sum
+    from tests.support.common import TinyLM, global_batch, rank_microbatches, token_loss_sum
 
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}

@@ -20,8 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import mcore_cpu
-from mcore_cpu import cpu_megatron_core
+from tests.mcore import mcore_cpu
+from tests.mcore.mcore_cpu import cpu_megatron_core
 
 import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
@@ -36,7 +36,7 @@ from megatron.core.transformer.module import Float16Module  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 import megatron_opt.megatron
-from cases_megatron import CLIP, LR, MIN_LR, WD, Float64Reference, forward_step, global_batches, schedule
+from tests.mcore.cases_megatron import CLIP, LR, MIN_LR, WD, Float64Reference, forward_step, global_batches, schedule
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as C
 from megatron.core.transformer.module import Float16Module
 
 import megatron_opt.megatron
-import megatron_lm_configs as recorded
-import mcore_cpu
-from mcore_cpu import cpu_megatron_core
-from cases_megatron import forward_step, global_batches, schedule
+from tests.support import megatron_lm_configs as recorded
+from tests.mcore import mcore_cpu
+from tests.mcore.mcore_cpu import cpu_megatron_core
+from tests.mcore.cases_megatron import forward_step, global_batches, schedule
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
-import cases_checkpoint_mcore as cc
+from tests.mcore import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
+from tests.mcore import cases_checkpoint_mcore as cc
 
 STATES = ("master", "exp_avg", "exp_avg_sq")
 BEFORE, AFTER = 2, 2

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import megatron_opt.checkpoint
-import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
-import cases_checkpoint_model_parallel as ccmp
+from tests.mcore import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
+from tests.mcore import cases_checkpoint_model_parallel as ccmp
 
 STEPS = 2
 PROBE = "decoder.layers.1.mlp.linear_fc1.weight"  # a TP-split param of the last layer (the second PP stage)

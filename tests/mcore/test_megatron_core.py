@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 # CI installs megatron-core: import it unconditionally so that a missing dependency fails loudly.
-import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
-import cases_megatron as cm
+from tests.mcore import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
+from tests.mcore import cases_megatron as cm
 
 DP_SIZES = (1, 2)
 FP32_FACTOR = 2.0  # ours may be at most this many times further from float64 than fp32 torch AdamW

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 # CI installs megatron-core: import it unconditionally so that a missing dependency fails loudly.
-import mcore_cpu
-import cases_megatron as cm
+from tests.mcore import mcore_cpu
+from tests.mcore import cases_megatron as cm
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
 from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
 from megatron.core.optimizer import ParamKey
@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_opt as mo
 from megatron_opt.config_conversion import as_ddp_config, as_optimizer_config
-from common import TinyLM
+from tests.support.common import TinyLM
 
 
 def _tc(**kw) -> TransformerConfig:

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
-import cases_model_parallel as cmp
-from megatron_lm_configs import installed_label
+from tests.mcore import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
+from tests.mcore import cases_model_parallel as cmp
+from tests.support.megatron_lm_configs import installed_label
 
 OURS, CORE = "megatron_opt", "megatron_core"
 # Tolerances, calibrated by megatron-core's own optimizer on this harness (which meets them: asserted below).

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
-import cases_stock
+from tests.mcore import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
+from tests.mcore import cases_stock
 
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
 import megatron.core.optimizer as core_optimizer

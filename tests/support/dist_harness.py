@@ -4,6 +4,10 @@ A test calls ``pool.run(func, *args)``; every rank imports ``func``'s module and
 same arguments, and the per-rank return values come back as a list. An exception on any rank
 fails the test with that rank's traceback. A case that hangs (a rank stuck in a collective)
 hits the timeout; the pool is then torn down and rebuilt for the next test.
+
+A worker imports ``func``'s module by its package name (``tests.distributed.cases_parity``): a
+spawned process starts with its parent's sys.path, which holds the repository root through pytest's
+``pythonpath`` setting (pyproject.toml).
 """
 from __future__ import annotations
 
@@ -21,17 +25,6 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
-TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Test helpers and worker-case modules are imported by bare name: tests/support and every test folder.
-IMPORT_DIRS = [os.path.join(TESTS_DIR, d) for d in sorted(os.listdir(TESTS_DIR))
-               if os.path.isdir(os.path.join(TESTS_DIR, d)) and not d.startswith((".", "_"))]
-
-
-def add_import_dirs() -> None:
-    """Put tests/support and the test folders on sys.path (in the pytest process and in every worker)."""
-    for d in reversed(IMPORT_DIRS):
-        if d not in sys.path:
-            sys.path.insert(0, d)
 CASE_TIMEOUT_S = float(os.environ.get("MEGATRON_OPT_CASE_TIMEOUT", "180"))
 PG_TIMEOUT_S = 60
 
@@ -102,7 +95,6 @@ def _destroy_groups_created_since(before: set) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, store_dir: str, conn) -> None:
-    add_import_dirs()
     # On a case timeout the pool signals every rank to write its Python stacks: where a hang is.
     stacks_file = open(_stacks_path(store_dir, rank), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)

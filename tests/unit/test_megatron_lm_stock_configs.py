@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-import megatron_lm_configs as recorded
+from tests.support import megatron_lm_configs as recorded
 from megatron_opt import core_config_fields
 from megatron_opt.config import DistributedDataParallelConfig, OptimizerConfig, UnsupportedConfigError
 from megatron_opt.config_conversion import as_ddp_config, as_optimizer_config

@@ -6,7 +6,7 @@ import warnings
 import torch
 
 import megatron_opt as mo
-from common import Probe, TinyLM, build, sgd_exact
+from tests.support.common import Probe, TinyLM, build, sgd_exact
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -344,7 +344,7 @@ def test_check_param_groups_after_scheduler_writes():
 
 
 def test_a_bad_lr_written_into_param_groups_stops_the_step_before_any_change():
-    from common import TinyLM, build
+    from tests.support.common import TinyLM, build
 
     model = TinyLM()
     ddp, opt = build(model)

@@ -17,7 +17,7 @@ from megatron_opt.optimizer import float64_update as f64
 from megatron_opt.optimizer.float64_update import Float64Inputs
 from megatron_opt.optimizer.replica_check import Checksums
 from megatron_opt.optimizer.verify import recompute_of
-from common import ReferenceLion
+from tests.support.common import ReferenceLion
 
 
 # ---------------------------------------------------------------------------------------------- config

@@ -1,0 +1,1 @@
+"""Checkpoint save/load tests, including kills in the middle of a save."""

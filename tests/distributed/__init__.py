@@ -1,0 +1,1 @@
+"""Multi-rank tests on persistent gloo worker pools."""

@@ -1,0 +1,1 @@
+"""Tests against an installed megatron-core (CI runs them on Python 3.11 and 3.12)."""

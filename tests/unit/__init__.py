@@ -1,0 +1,1 @@
+"""Single-process pure-logic tests (no megatron-core)."""
