@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -228,3 +228,21 @@ def assert_within(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: floa
             f"{what}: {int(bad.sum())} of {got.numel()} elements out of tolerance; first at {i}: "
             f"got {got[i].item()!r}, want {want[i].item()!r} (rtol={rtol}, atol={atol})"
         )
+
+
+class FakeOptimizer:
+    """Only what an LR scheduler touches: a list of param-group dicts."""
+
+    def __init__(self, *groups: dict[str, Any]) -> None:
+        self.param_groups = [{"params": [], **g} for g in (groups or ({},))]
+
+
+def scale_of(scaler) -> float:
+    """A grad scaler's current loss scale."""
+    return scaler.scale.item()
+
+
+def trackers(scaler) -> tuple[int, int]:
+    """A dynamic grad scaler's (growth tracker, hysteresis tracker), read through its state dict."""
+    sd = scaler.state_dict()
+    return sd["growth_tracker"], sd["hysteresis_tracker"]

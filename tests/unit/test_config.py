@@ -1,9 +1,9 @@
-"""Configs: Megatron-LM field names and defaults, and loud rejection of what megatron_opt does not implement."""
+"""Configs: Megatron-LM field names and defaults, and loud rejection of what megatron_opt does not implement
+(our defaults against megatron-core's: tests/mcore/test_megatron_core_configs.py)."""
 from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import pytest
 import torch
@@ -17,18 +17,9 @@ from megatron_opt.config import (
     config_fields,
 )
 from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
-
-# CI installs megatron-core: import it unconditionally so that a missing dependency fails loudly.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from megatron.core.distributed import DistributedDataParallelConfig as MDDP
-    from megatron.core.optimizer import OptimizerConfig as MOC
+from tests.support.megatron_config_spec import DDP_FIELDS_SET_BY_NAME, OPTIMIZER_FIELDS_SET_BY_NAME, field_default
 
 LR = 1e-3
-
-# Fields whose defaults are documented to differ from megatron-core's in representation only.
-# grad_norm_skip_threshold: megatron-core uses inf, we use None; both mean "off" (inf is mapped to None).
-DOCUMENTED_DEFAULT_DIFFERENCES = {"grad_norm_skip_threshold"}
 
 # (field, a non-default value). The field list is the spec: megatron_opt does not implement these.
 DDP_UNSUPPORTED = [
@@ -48,84 +39,15 @@ OPT_UNSUPPORTED = [
 ]
 
 
-def _default(f: dataclasses.Field):
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
-    return dataclasses.MISSING
-
-
-def _shared_defaults(ours: type, theirs: type):
-    mine = {f.name: f for f in dataclasses.fields(ours)}
-    ref = {f.name: f for f in dataclasses.fields(theirs)}
-    shared = [n for n in mine if n in ref and n not in DOCUMENTED_DEFAULT_DIFFERENCES]
-    return [(n, _default(mine[n]), _default(ref[n])) for n in shared]
-
-
-# --------------------------------------------------------------------------------------------------
-# Defaults match megatron-core
-# --------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("ours, theirs", [(DistributedDataParallelConfig, MDDP), (OptimizerConfig, MOC)])
-def test_defaults_equal_megatron_core(ours, theirs):
-    shared = _shared_defaults(ours, theirs)
-    # Guard against a vacuous comparison (e.g. if fields were renamed on either side).
-    assert len(shared) >= 15
-    mismatches = [(n, a, b) for n, a, b in shared if a != b]
-    assert not mismatches, f"defaults differ from megatron-core: {mismatches}"
-
-
-@pytest.mark.parametrize("ours, theirs", [(DistributedDataParallelConfig, MDDP), (OptimizerConfig, MOC)])
-def test_constructed_defaults_equal_megatron_core(ours, theirs):
-    """Compare instances (after __post_init__), not just declared defaults."""
-    kwargs = {"lr": LR} if ours is OptimizerConfig else {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ref = theirs(**kwargs)
-    mine = ours(**kwargs)
-    names = [n for n in config_fields(ours) if hasattr(ref, n) and n not in DOCUMENTED_DEFAULT_DIFFERENCES]
-    assert len(names) >= 15
-    diffs = {n: (getattr(mine, n), getattr(ref, n)) for n in names if getattr(mine, n) != getattr(ref, n)}
-    assert not diffs
-
-
 def test_megatron_field_names_present():
-    # Megatron launch code sets these by name; they must exist with Megatron's spelling.
+    # Megatron launch code sets these by name; they must exist with Megatron's spelling (and in
+    # megatron-core's configs: tests/mcore/test_megatron_core_configs.py).
     ddp = set(config_fields(DistributedDataParallelConfig))
     opt = set(config_fields(OptimizerConfig))
-    for name in (
-        "grad_reduce_in_fp32",
-        "overlap_grad_reduce",
-        "overlap_param_gather",
-        "use_distributed_optimizer",
-        "bucket_size",
-        "average_in_collective",
-        "check_for_nan_in_grad",
-        "pad_buckets_for_high_nccl_busbw",
-    ):
+    for name in DDP_FIELDS_SET_BY_NAME:
         assert name in ddp
-        assert name in {f.name for f in dataclasses.fields(MDDP)}
-    for name in (
-        "lr",
-        "min_lr",
-        "weight_decay",
-        "fp16",
-        "bf16",
-        "loss_scale",
-        "initial_loss_scale",
-        "min_loss_scale",
-        "loss_scale_window",
-        "hysteresis",
-        "adam_beta1",
-        "adam_beta2",
-        "adam_eps",
-        "clip_grad",
-        "use_distributed_optimizer",
-    ):
+    for name in OPTIMIZER_FIELDS_SET_BY_NAME:
         assert name in opt
-        assert name in {f.name for f in dataclasses.fields(MOC)}
     # private class constants are not dataclass fields
     assert not any(n.startswith("_") for n in ddp | opt)
 
@@ -160,7 +82,7 @@ def _check_message(err: UnsupportedConfigError, name: str, default) -> None:
 
 @pytest.mark.parametrize("name, value", DDP_UNSUPPORTED)
 def test_ddp_unsupported_field_raises(name, value):
-    default = _default({f.name: f for f in dataclasses.fields(DistributedDataParallelConfig)}[name])
+    default = field_default({f.name: f for f in dataclasses.fields(DistributedDataParallelConfig)}[name])
     assert value != default
     with pytest.raises(UnsupportedConfigError) as ei:
         DistributedDataParallelConfig(**{name: value})
@@ -171,7 +93,7 @@ def test_ddp_unsupported_field_raises(name, value):
 
 @pytest.mark.parametrize("name, value", OPT_UNSUPPORTED)
 def test_optimizer_unsupported_field_raises(name, value):
-    default = _default({f.name: f for f in dataclasses.fields(OptimizerConfig)}[name])
+    default = field_default({f.name: f for f in dataclasses.fields(OptimizerConfig)}[name])
     assert value != default
     with pytest.raises(UnsupportedConfigError) as ei:
         OptimizerConfig(lr=LR, **{name: value})

@@ -1,9 +1,6 @@
-"""Loss scalers: Megatron-LM's DynamicGradScaler / ConstantGradScaler semantics (reference notes, section 3)."""
+"""Loss scalers: Megatron-LM's DynamicGradScaler / ConstantGradScaler semantics (reference notes, section 3).
+Parity with megatron-core's own scaler: tests/mcore/test_megatron_core_grad_scaler.py."""
 from __future__ import annotations
-
-import warnings
-from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 import torch
@@ -11,10 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_opt.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import megatron.core.optimizer.grad_scaler as mcore_gs
+from tests.support.common import scale_of, trackers
 
 SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -28,15 +22,6 @@ def dyn(initial=2.0**16, min_scale=1.0, growth_factor=2.0, backoff_factor=0.5, g
         growth_interval=growth_interval,
         hysteresis=hysteresis,
     )
-
-
-def scale_of(s) -> float:
-    return s.scale.item()
-
-
-def trackers(s) -> tuple[int, int]:
-    sd = s.state_dict()
-    return sd["growth_tracker"], sd["hysteresis_tracker"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -249,55 +234,6 @@ def test_load_state_dict_sets_scale_and_trackers():
     assert trackers(s) == (3, 1)
     s.update(False)  # the loaded growth tracker counts: 4 == interval
     assert scale_of(s) == 1024.0
-
-
-# --------------------------------------------------------------------------------------------------
-# Parity with megatron-core's own DynamicGradScaler (run on CPU)
-# --------------------------------------------------------------------------------------------------
-
-
-def _reference(tracker_ops: list[bool], **kw) -> list[tuple[float, int, int]]:
-    """megatron-core's scaler hard-codes device='cuda'; run it on CPU by swapping its torch for a shim."""
-
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, **kwargs)
-
-    shim = SimpleNamespace(tensor=tensor, max=torch.max, float=torch.float)
-    with mock.patch.object(mcore_gs, "torch", shim):
-        ref = mcore_gs.DynamicGradScaler(**kw)
-        out = []
-        for f in tracker_ops:
-            ref.update(f)
-            sd = ref.state_dict()
-            out.append((sd["scale"].item(), sd["growth_tracker"], sd["hysteresis_tracker"]))
-    return out
-
-
-@SETTINGS
-@given(
-    ops=st.lists(st.booleans(), min_size=1, max_size=80),
-    initial_exp=st.integers(0, 24),
-    min_exp=st.integers(-4, 0),
-    growth_factor=st.sampled_from([2.0, 4.0, 1.5, 3.0]),
-    backoff_factor=st.sampled_from([0.5, 0.25, 0.75, 0.1]),
-    growth_interval=st.integers(1, 6),
-    hysteresis=st.integers(1, 4),
-)
-def test_matches_megatron_core(ops, initial_exp, min_exp, growth_factor, backoff_factor, growth_interval, hysteresis):
-    kw = dict(
-        initial_scale=2.0**initial_exp,
-        min_scale=2.0 ** (initial_exp + min_exp),
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        hysteresis=hysteresis,
-    )
-    want = _reference(ops, **kw)
-    s = DynamicGradScaler(**kw)
-    for step, (f, (ref_scale, ref_growth, ref_hyst)) in enumerate(zip(ops, want)):
-        s.update(f)
-        assert scale_of(s) == ref_scale, f"step {step}"
-        assert trackers(s) == (ref_growth, ref_hyst), f"step {step}"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """Verify mode without processes: its config fields, the error type, the float64 recomputations and
 their tolerances (against torch.optim in float64, and against the fp32 ops they bound), the
-custom-rule requirement and the replica checksums."""
+custom-rule requirement and the replica checksums (a converted megatron-core config keeps verify mode
+off: tests/mcore/test_megatron_core_configs.py)."""
 from __future__ import annotations
-
-import warnings
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ import torch
 import megatron_opt as mo
 import megatron_opt.errors
 from megatron_opt import ops
-from megatron_opt.config_conversion import as_optimizer_config
 from megatron_opt.ops.piece_table import full_table
 from megatron_opt.optimizer import float64_update as f64
 from megatron_opt.optimizer.float64_update import Float64Inputs
@@ -39,17 +37,6 @@ def test_defaults_are_off_and_raise():
 def test_invalid_values_raise(kwargs, match):
     with pytest.raises(mo.InvalidConfigError, match=match):
         mo.OptimizerConfig(lr=1e-3, **kwargs)
-
-
-def test_megatron_core_config_converts_with_verify_mode_off():
-    from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        core = CoreOptimizerConfig(lr=1e-3, bf16=True)
-    assert not hasattr(core, "verify_interval")
-    ours = as_optimizer_config(core)
-    assert (ours.verify_interval, ours.verify_action) == (0, "raise")
 
 
 def test_verification_error_is_the_packages_error():
