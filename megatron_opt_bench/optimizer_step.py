@@ -2,7 +2,8 @@
 
 For each shard size N (elements owned by the rank, ``--log2-sizes``), all three implementations update
 the same params (the same shapes, the same initial bf16 weights, the same fp32 gradients) with the same
-AdamW hyperparameters, weight-decay groups (none on biases and 1-D params) and global-norm clipping:
+AdamW hyperparameters, weight-decay groups (megatron_opt's own rule for all three: none on biases and 1-D
+params) and global-norm clipping:
 
   ours            megatron_opt's real ``optimizer.step()``: a stack of bf16 ``Linear(cols, rows)`` layers
                   plus a few 1-D params (RMSNorm weights, biases), ``--num-tensors`` params in all,

@@ -8,8 +8,8 @@ Run (CPU/gloo, or one GPU per rank with NCCL when CUDA is available):
 
 All implementations train the same model (a stack of pre-norm MLP blocks made of Linear layers), from
 the same initial weights, on the same per-rank batches, with the same AdamW hyperparameters, the same
-weight-decay groups (none on biases and 1-D params, Megatron's default) and global-norm clipping at
-``--clip-grad``:
+weight-decay groups (megatron_opt's own rule for every implementation: none on biases and 1-D params,
+Megatron's default) and global-norm clipping at ``--clip-grad``:
 
   megatron_opt   megatron_opt.DistributedDataParallel(use_distributed_optimizer=True,
                  grad_reduce_in_fp32=True) + get_megatron_optimizer (bf16: bf16 model, fp32 masters).

@@ -14,6 +14,7 @@ import megatron_opt as mo
 from .adamw import MO_STATES, adamw_config, weight_decay_groups
 from .fsdp import fully_shard_blocks
 
+
 # ---------------------------------------------------------------------------------------------- model
 class Block(torch.nn.Module):
     def __init__(self, hidden: int, ffn: int) -> None:
