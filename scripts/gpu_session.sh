@@ -4,6 +4,8 @@
 #   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [STAGES]   STAGES: build,cuda,bench,suite,step,precision
 #   precision: the precision-aware state tests (CUDA-marked and others), then 16-bit vs fp32 state step times
 #     (one command: bash scripts/gpu_session.sh build,precision)
+#   The benchmarks (scripts/bench_*.py) are entry points of the megatron_opt_bench package, which the build
+#   stage installs with megatron_opt: a stage list without build needs that install already there.
 set -uo pipefail
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
 STAGES="${1:-build,cuda,bench,suite}"

@@ -1,15 +1,17 @@
-"""scripts/bench_optimizer_step.py in its CPU smoke mode (gloo, host timers, tiny sizes): it runs end to
-end, its JSON holds the three implementations per size with positive finite times, and its --check
-(ours' AdamW + clipping result against the Megatron-like and torch fused ones) passes, and fails when
-ours' update is wrong. With --mo-states fp32,bf16,bf16+rem the JSON holds each optimizer-state option's
-eager and optimizer_cuda_graph times, byte floor and speedup vs fp32 state, and --check compares each
-option's masters with the fp32-state run (and fails when a 16-bit option's update is wrong)."""
-import importlib.util
+"""scripts/bench_optimizer_step.py (megatron_opt_bench.optimizer_step) in its CPU smoke mode (gloo, host
+timers, tiny sizes): it runs end to end, its JSON holds the three implementations per size with positive
+finite times, and its --check (ours' AdamW + clipping result against the Megatron-like and torch fused
+ones) passes, and fails when ours' update is wrong. With --mo-states fp32,bf16,bf16+rem the JSON holds
+each optimizer-state option's eager and optimizer_cuda_graph times, byte floor and speedup vs fp32 state,
+and --check compares each option's masters with the fp32-state run (and fails when a 16-bit option's
+update is wrong)."""
 import json
 import math
 import os
 import subprocess
 import sys
+
+from megatron_opt_bench import optimizer_step, step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_optimizer_step.py")
@@ -76,21 +78,10 @@ def test_cpu_smoke_json_and_check(tmp_path):
 
 
 def test_mo_states_and_floors():
-    # the state options come from scripts/bench_step.py; each has its own byte floor
-    mods = []
-    for name in ("bench_step", "bench_optimizer_step"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up there
-        sys.path.insert(0, os.path.join(ROOT, "scripts"))  # bench_step imports scripts/peak_memory.py
-        try:
-            spec.loader.exec_module(mod)
-        finally:
-            sys.path.remove(os.path.join(ROOT, "scripts"))
-            del sys.modules[name]
-        mods.append(mod)
-    assert mods[1].MO_STATES is not None and set(mods[1].MO_STATES) == set(mods[1].STATE_FLOOR_BYTES)
-    assert mods[1].STATE_FLOOR_BYTES == FLOOR_BYTES
+    # the state options are bench_step.py's (megatron_opt_bench.adamw); each has its own byte floor
+    assert optimizer_step.MO_STATES is step.MO_STATES is not None
+    assert set(optimizer_step.MO_STATES) == set(optimizer_step.STATE_FLOOR_BYTES)
+    assert optimizer_step.STATE_FLOOR_BYTES == FLOOR_BYTES
 
 
 def test_check_catches_a_wrong_update(tmp_path):

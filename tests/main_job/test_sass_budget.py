@@ -1,4 +1,4 @@
-"""scripts/sass_budget.py parsing logic on synthetic SASS (no CUDA tools needed): it finds the innermost
+"""tools/sass_budget.py parsing logic on synthetic SASS (no CUDA tools needed): it finds the innermost
 loop with 128-bit loads between its label and backward branch, counts it without NOPs, scales to 32
 elements, reads both nvdisasm (labels) and cuobjdump (absolute addresses) listings, and fails with a
 message naming the fix when no disassembler is found."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_spec = importlib.util.spec_from_file_location("sass_budget", os.path.join(ROOT, "scripts", "sass_budget.py"))
+_spec = importlib.util.spec_from_file_location("sass_budget", os.path.join(ROOT, "tools", "sass_budget.py"))
 sb = importlib.util.module_from_spec(_spec)
 sys.modules["sass_budget"] = sb  # dataclasses look their module up by name
 _spec.loader.exec_module(sb)

@@ -1,6 +1,6 @@
 """Loss curves of scripts/pretrain_gpt.py with fp32 optimizer state and with precision-aware state.
 
-    python scripts/state_precision_curves.py --steps 300 --nproc 2 \
+    python tools/state_precision_curves.py --steps 300 --nproc 2 \
         --json docs/state_precision_curves.json --plot docs/state_precision_curves.png
 
 Runs the main job once per state option, same seed, same data, same bf16 model, under torchrun
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench_common import cpu_model  # scripts/bench_common.py
+from megatron_opt_bench.machine import cpu_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIONS = {

@@ -5,8 +5,8 @@ finds its steady-state vectorized loop, and prints the instructions one thread i
 iteration and per 32 grad elements against the budget of 154 per 32 elements (bf16 grads, no zero
 counting) from the GitHub issue on pass 1 being ALU-bound:
 
-    python scripts/sass_budget.py                         # the installed megatron_opt._C
-    python scripts/sass_budget.py build/grad_stats.cubin --disassembler /path/to/nvdisasm --json out.json
+    python tools/sass_budget.py                         # the installed megatron_opt._C
+    python tools/sass_budget.py build/grad_stats.cubin --disassembler /path/to/nvdisasm --json out.json
 
 Disassemblers: ``nvdisasm`` (cubin input) or ``cuobjdump`` (cubin or fat-binary .so input). Neither is
 in the minimal toolkit; ``pip install --target /tmp/sasstools nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump``

@@ -1,4 +1,4 @@
-"""Peak memory over a section of a benchmark, shared by bench_step.py and bench_checkpoint.py.
+"""Peak memory over a section of a benchmark, shared by the step and checkpoint benchmarks.
 
 CUDA: the caching allocator's peak. CPU: the peak RSS (VmHWM, reset through /proc/self/clear_refs),
 above the RSS at the start of the section, after malloc_trim hands freed heap pages back.
