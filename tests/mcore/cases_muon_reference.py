@@ -131,9 +131,9 @@ def run_calibration(case: dict, steps: int = 4, microbatches: int = 2, mb: int =
 
     ref = params(ref_names)
 
-    def update_error(got: dict) -> float:
-        num = sum(float(((got[n] - init[n]) - (ref[n] - init[n])).norm() ** 2) for n in ref)
-        den = sum(float((ref[n] - init[n]).norm() ** 2) for n in ref)
+    def update_error(got: dict, over=tuple(ref)) -> float:
+        num = sum(float(((got[n] - init[n]) - (ref[n] - init[n])).norm() ** 2) for n in over)
+        den = sum(float((ref[n] - init[n]).norm() ** 2) for n in over)
         return (num / den) ** 0.5
 
     core_params, f32_params = params(names), params(f32_names)
@@ -143,8 +143,10 @@ def run_calibration(case: dict, steps: int = 4, microbatches: int = 2, mb: int =
     return dict(
         norms=norms, muon_params=muon_names,
         param_error=_errors(core_params, ref), update_error=update_error(core_params),
+        muon_update_error=update_error(core_params, muon_names),  # AdamW's params left out
         momentum_error=_errors(core_bufs, ref_bufs),
         fp32_param_error=_errors(f32_params, ref), fp32_update_error=update_error(f32_params),
+        fp32_muon_update_error=update_error(f32_params, muon_names),
         fp32_momentum_error=_errors(f32_bufs, ref_bufs),
         update_size=max(float((ref[n] - init[n]).abs().max()) for n in ref),
     )

@@ -10,8 +10,8 @@ from megatron.core import package_info
 
 if package_info.__version__.startswith("0.16"):
     pytest.skip(
-        "megatron-core 0.16.1's Muon does not run with emerging-optimizers 0.3.0 (the only release with it, "
-        "Python >= 3.12): its TensorParallelMuon passes use_nesterov= to OrthogonalizedOptimizer.__init__, "
+        "megatron-core 0.16.1's Muon does not run with emerging-optimizers 0.3.0 (which needs Python >= 3.12, "
+        "so it is absent here): 0.16.1's TensorParallelMuon passes use_nesterov= to OrthogonalizedOptimizer.__init__, "
         "whose 0.3.0 keyword is nesterov (TypeError at construction), and calls newton_schulz_tp(mode=...), "
         "which 0.3.0 names tp_mode", allow_module_level=True)
 
@@ -20,15 +20,18 @@ import emerging_optimizers  # noqa: F401,E402
 
 import cases_muon_reference as cmr  # noqa: E402
 
-# Measured (torch 2.13 CPU, 4 steps, lr 3e-3, wd 0.1, largest element update 0.008-0.026):
-#   update_error (|Δcore - Δref| / |Δref| over the whole model)  0.8e-5 .. 3.1e-5
-#   max |param_core - param_ref|                                 2.8e-6 .. 4.7e-6
-#   max |momentum_core - momentum_ref| / max |momentum_ref|      3.9e-7 .. 5.0e-7
-# the float32 run of the reference itself lands at the same distances (0.7e-5 .. 3.1e-5), so these are
-# fp32 arithmetic; bounds at ~3x. Nesterov ignored, QKV not split or blockwise taken as whole moves the
-# update error to >= 1e-2; momentum kept in SGD form (beta*B + g) moves the momentum error to ~9
-# (the update alone cannot see it: Newton-Schulz normalises the scale away).
+# Measured (torch 2.13 CPU, 4 steps, lr 3e-3, wd 0.1, largest element update 0.008-0.026), six cases:
+#   update_error: |Δcore - Δref| / |Δref| over the whole model      7.8e-6 .. 3.0e-5
+#   the same over the Muon params only                                2.4e-6 .. 3.8e-6 (7 NS steps: 4.6e-5)
+#   max |param_core - param_ref|                                      2.4e-6 .. 4.5e-6
+#   max |momentum_core - momentum_ref| / max |momentum_ref|           3.9e-7 .. 4.7e-7
+#   grad norm, relative                                               <= 1.3e-7
+# A float32 run of the reference itself lands at the same distances (within 0.75x .. 1.35x), so these
+# are fp32 arithmetic; the bounds are ~3x the largest. On purpose: Nesterov ignored, QKV not split and
+# momentum kept in SGD form (beta*B + g) each fail (see the report of the change); the SGD form shows
+# only in the momentum (Newton-Schulz normalises the scale of the update away).
 UPDATE_ERROR = 1e-4
+MUON_UPDATE_ERROR = 1.5e-4
 PARAM_ABS = 1.5e-5
 MOMENTUM_REL = 1.5e-6
 GRAD_NORM_REL = 1e-6
@@ -65,6 +68,7 @@ def test_reference_matches_megatron_core_muon(pools, name):
     assert "embedding.position_embeddings.weight" in result["muon_params"], result["muon_params"]
     assert len(result["muon_params"]) == 9, result["muon_params"]
     assert result["update_error"] <= UPDATE_ERROR, result
+    assert result["muon_update_error"] <= MUON_UPDATE_ERROR, result
     assert result["param_error"][0] <= PARAM_ABS, result
     assert result["momentum_error"][1] <= MOMENTUM_REL, result
 
