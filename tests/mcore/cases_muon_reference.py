@@ -14,9 +14,9 @@ import dataclasses
 
 import torch
 
-import mcore_cpu
-from mcore_cpu import cpu_megatron_core, token_losses
-import reference_muon as rm
+from tests.mcore import mcore_cpu
+from tests.mcore.mcore_cpu import cpu_megatron_core, token_losses
+from tests.support import reference_muon as rm
 
 from megatron.core.optimizer import OptimizerConfig as CoreOptimizerConfig  # noqa: E402
 from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402

@@ -18,7 +18,7 @@ if package_info.__version__.startswith("0.16"):
 # CI installs both on Python 3.12: import unconditionally so that a missing dependency fails loudly.
 import emerging_optimizers  # noqa: F401,E402
 
-import cases_muon_reference as cmr  # noqa: E402
+from tests.mcore import cases_muon_reference as cmr  # noqa: E402
 
 # Measured (torch 2.13 CPU, 4 steps, lr 3e-3, wd 0.1, largest element update 0.008-0.026), six cases:
 #   update_error: |Δcore - Δref| / |Δref| over the whole model      7.8e-6 .. 3.0e-5
