@@ -23,6 +23,7 @@ param all-gather stays inside the instance. The sum, and so the 1/DP scale, is o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Iterator, Optional, Union, overload
 
 import torch
@@ -40,7 +41,7 @@ from .megatron_core_members import MegatronCoreModuleMembers
 from .normalisation import GradNormalisation, loss_divisor_factor
 from .parallel_groups import ModelParallelGroups
 from .shard_publish import publish_shards
-from .shard_view import LocalShard
+from .shard_view import LocalShard, ParamGather
 from .step_state import GradSyncPhase, GradSyncState
 
 
@@ -125,10 +126,8 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
                                                check_for_nan=self.ddp_config.check_for_nan_in_grad, device=device)
         self._normalisation = GradNormalisation(1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size, device)
         self._local_shards: Optional[list[LocalShard]] = None  # published once, on the optimizer's first call
-        # Set by get_megatron_optimizer on the first chunk when OptimizerConfig's field of the same
-        # name is on: the optimizer dispatches this chunk's param all-gather inside its step, so a
-        # plain start_param_sync() from a training loop or schedule must not dispatch it again.
-        self.overlap_param_gather_with_optimizer_step = False
+        self._param_gather = ParamGather(self.ddp_config.use_distributed_optimizer,
+                                         self.ddp_config.overlap_param_gather)
         install_grad_hooks(self, [p for _, p in named])
         self._pre_hooks = ForwardPreHooks(self.module, self._buffer_of)
         if self.ddp_config.overlap_param_gather:
@@ -193,6 +192,22 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
     def grads_received(self) -> int:
         """Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step)."""
         return self._state.grads_received
+
+    @property
+    def param_gather(self) -> ParamGather:
+        """Whether, how and by whom this chunk's param all-gather is dispatched (shard_view.ParamGather)."""
+        return self._param_gather
+
+    @property
+    def overlap_param_gather_with_optimizer_step(self) -> bool:
+        """megatron-core's attribute, set by get_megatron_optimizer on the first chunk when OptimizerConfig's
+        field of the same name is on: the optimizer dispatches this chunk's param all-gather inside its
+        step, so a plain start_param_sync() from a training loop or schedule does not dispatch it again."""
+        return self._param_gather.owned_by_step
+
+    @overlap_param_gather_with_optimizer_step.setter
+    def overlap_param_gather_with_optimizer_step(self, value: bool) -> None:
+        self._param_gather = dataclasses.replace(self._param_gather, owned_by_step=bool(value))
 
     @property
     def grad_sync_phase(self) -> GradSyncPhase:
@@ -342,9 +357,9 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         (``overlap_param_gather_with_optimizer_step``) does nothing here unless ``force_dispatch``
         or ``force_sync`` is given.
         """
-        if self.overlap_param_gather_with_optimizer_step and not (force_dispatch or force_sync):
+        if not self._param_gather.dispatches(force_dispatch, force_sync):
             return
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        async_op = self._param_gather.is_async(force_sync)
         for buf in self._all_buffers:
             if expert_parallel is not None and buf.is_expert_parallel != expert_parallel:
                 continue

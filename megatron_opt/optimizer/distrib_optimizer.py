@@ -12,7 +12,7 @@ import torch
 
 from .. import collectives
 from ..errors import InvalidConfigError
-from ..distributed.shard_view import GradSource
+from ..distributed.shard_view import GradSource, stats_span_model_parallel, step_stats_groups
 from ..config_conversion import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
@@ -72,7 +72,9 @@ class DistributedOptimizer(MegatronOptimizer):
             param_remainders=config.uses_param_remainders,
         )
         self.shard_group = OptimizerLeaf(store)  # the leaf (the attribute keeps its old name for now)
-        self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
+        # Which groups sum the statistics: decided by the shard view from the shards' roles.
+        self._driver = StepDriver([self.shard_group], config, grad_scaler,
+                                  step_stats_groups(self.shard_group.stats_roles(), model_parallel_group),
                                   self.shard_group.step.device)
         # Over the data-parallel replicas only: model-parallel peers hold other params, so other groups.
         collectives.agree(
@@ -90,13 +92,6 @@ class DistributedOptimizer(MegatronOptimizer):
                   for i, g in enumerate(self.param_groups)]
         return items
 
-    def _stats_groups(self) -> list:
-        groups = self.shard_group.stats_groups()
-        # The shards of a model-parallel DistributedDataParallel already sum over every rank.
-        if self.model_parallel_group is not None and not self.shard_group.stats_span_model_parallel():
-            groups.append(self.model_parallel_group)
-        return groups
-
     def _leaves(self) -> list[OptimizerLeaf]:
         return [self.shard_group]
 
@@ -111,12 +106,12 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:
-        model_parallel = self.model_parallel_group is not None or self.shard_group.stats_span_model_parallel()
+        model_parallel = stats_span_model_parallel(self.shard_group.stats_roles(), self.model_parallel_group)
         return [leaf_view(self.shard_group, self.model_chunks, model_parallel=model_parallel)]
 
     def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
         # The data-parallel group: its ranks end a load in one param all-gather.
-        groups = self.shard_group.stats_groups()
+        groups = step_stats_groups(self.shard_group.stats_roles())
         return groups[0] if groups else None
 
 
@@ -125,7 +120,7 @@ def _overlap_with_step_error(config: Any, model_chunks: Sequence[GradSource]) ->
     pre-hooks wait for, so (as in Megatron-LM) the chunks must be wrapped with overlap_param_gather."""
     if not config.overlap_param_gather_with_optimizer_step:
         return None
-    if all(chunk.ddp_config.overlap_param_gather for chunk in model_chunks):
+    if all(chunk.param_gather.overlap_param_gather for chunk in model_chunks):
         return None
     return ("OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs every model chunk wrapped with "
             "DistributedDataParallelConfig(overlap_param_gather=True) (its forward pre-hooks wait for the "
