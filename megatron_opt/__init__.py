@@ -2,9 +2,8 @@
 import torch  # noqa: F401  (must precede the compiled extension)
 
 from .config import DistributedDataParallelConfig, OptimizerConfig
-from .errors import (CheckpointError, ConfigError, InvalidConfigError, MegatronOptError, RankError, StepOrderError,
-                     UnsupportedConfigError, VerificationError)
-from .distributed.buffers import LateGradientError
+from .errors import (CheckpointError, ConfigError, InvalidConfigError, LateGradientError, MegatronOptError, RankError,
+                     StepOrderError, UnsupportedConfigError, VerificationError)
 from .distributed.ddp import DistributedDataParallel
 from .distributed.parallel_groups import ModelParallelGroups
 from .distributed.shard_view import GradSource, LocalShard, ParamGather, ShardPiece, assemble_full_tensors

@@ -30,8 +30,8 @@ import torch
 
 from .. import collectives
 from ..config import DistributedDataParallelConfig
-from ..errors import StepOrderError
-from .buffers import LateGradientError, ParamAndGradBuffer
+from ..errors import LateGradientError, StepOrderError
+from .buffers import ParamAndGradBuffer
 from .ddp_call import parse_ddp_call
 from .ddp_checks import (SUPPORTED_PARAM_DTYPES, WrappedParams, WrappingFacts, agree_on_wrapping, check_membership,
                          resolve_instance_groups)
@@ -183,20 +183,16 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
             self._local_shards = publish_shards(self._all_buffers, self._normalisation, self.model_parallel_groups)
         return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
 
-    @property
-    def step_id(self) -> int:
-        """Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step."""
-        return self._state.step_id
-
-    @property
-    def grads_received(self) -> int:
-        """Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step)."""
-        return self._state.grads_received
-
-    @property
-    def param_gather(self) -> ParamGather:
-        """Whether, how and by whom this chunk's param all-gather is dispatched (shard_view.ParamGather)."""
-        return self._param_gather
+    # What the optimizer reads of the step (the GradSource protocol), from the named per-step state.
+    step_id = property(lambda self: self._state.step_id,
+                       doc="Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step.")
+    grads_received = property(lambda self: self._state.grads_received,
+                              doc="Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step).")
+    grad_sync_phase = property(lambda self: self._state.phase,
+                               doc="Where this chunk's gradients are in the step (step_state.GradSyncPhase).")
+    param_gather = property(lambda self: self._param_gather,
+                            doc="Whether, how and by whom this chunk's param all-gather is dispatched "
+                                "(shard_view.ParamGather).")
 
     @property
     def overlap_param_gather_with_optimizer_step(self) -> bool:
@@ -208,11 +204,6 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
     @overlap_param_gather_with_optimizer_step.setter
     def overlap_param_gather_with_optimizer_step(self, value: bool) -> None:
         self._param_gather = dataclasses.replace(self._param_gather, owned_by_step=bool(value))
-
-    @property
-    def grad_sync_phase(self) -> GradSyncPhase:
-        """Where this chunk's gradients are in the step (step_state.py)."""
-        return self._state.phase
 
     # ----------------------------------------------------------------- gradients
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:

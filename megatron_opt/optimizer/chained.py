@@ -44,7 +44,7 @@ class ChainedOptimizer(MegatronOptimizer):
         self.chained_optimizers = list(chained_optimizers)
         self.config = self.chained_optimizers[0].config
         self.grad_stats_group = grad_stats_group
-        device = self.chained_optimizers[0].shard_group.step.device
+        device = self.chained_optimizers[0].leaf.step.device
         scaler = self.chained_optimizers[0].grad_scaler
         # Megatron-LM's overlap_param_gather_with_optimizer_step: the first child (the first model
         # chunk's dense params) all-gathers its params while the other children update theirs.
@@ -55,7 +55,7 @@ class ChainedOptimizer(MegatronOptimizer):
             child.join_chain(self)
 
     def _leaves(self) -> list[OptimizerLeaf]:
-        return [c.shard_group for c in self.chained_optimizers]
+        return [c.leaf for c in self.chained_optimizers]
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:

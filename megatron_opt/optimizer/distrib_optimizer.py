@@ -71,14 +71,14 @@ class DistributedOptimizer(MegatronOptimizer):
             main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)
             param_remainders=config.uses_param_remainders,
         )
-        self.shard_group = OptimizerLeaf(store)  # the leaf (the attribute keeps its old name for now)
+        self.leaf = OptimizerLeaf(store)  # the one leaf: masters, rule state and the calls the driver makes
         # Which groups sum the statistics: decided by the shard view from the shards' roles.
-        self._driver = StepDriver([self.shard_group], config, grad_scaler,
-                                  step_stats_groups(self.shard_group.stats_roles(), model_parallel_group),
-                                  self.shard_group.step.device)
+        self._driver = StepDriver([self.leaf], config, grad_scaler,
+                                  step_stats_groups(self.leaf.stats_roles(), model_parallel_group),
+                                  self.leaf.step.device)
         # Over the data-parallel replicas only: model-parallel peers hold other params, so other groups.
         collectives.agree(
-            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), self.shard_group.replica_group(),
+            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), self.leaf.replica_group(),
             fingerprint=self._fingerprint(), error_type=InvalidConfigError,
             fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
                 "param groups and loss scaler.")
@@ -93,25 +93,25 @@ class DistributedOptimizer(MegatronOptimizer):
         return items
 
     def _leaves(self) -> list[OptimizerLeaf]:
-        return [self.shard_group]
+        return [self.leaf]
 
     @property
     def update_rule(self) -> UpdateRule:
-        return self.shard_group.rule
+        return self.leaf.rule
 
     @property
     def step_count(self) -> int:
         """Updates applied so far (skipped steps excluded)."""
-        return int(self.shard_group.step.item())
+        return int(self.leaf.step.item())
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:
-        model_parallel = stats_span_model_parallel(self.shard_group.stats_roles(), self.model_parallel_group)
-        return [leaf_view(self.shard_group, self.model_chunks, model_parallel=model_parallel)]
+        model_parallel = stats_span_model_parallel(self.leaf.stats_roles(), self.model_parallel_group)
+        return [leaf_view(self.leaf, self.model_chunks, model_parallel=model_parallel)]
 
     def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
         # The data-parallel group: its ranks end a load in one param all-gather.
-        groups = step_stats_groups(self.shard_group.stats_roles())
+        groups = step_stats_groups(self.leaf.stats_roles())
         return groups[0] if groups else None
 
 

@@ -1,4 +1,4 @@
-"""Model-parallel worlds as pure math (megatron_opt.distributed.parallel_layout, stats_role.element_counts).
+"""Model-parallel worlds as pure math (tests/support/parallel_layout.py, stats_role.element_counts).
 
 For random (TP, PP, VPP, DP, CP, instances, EP, expert-TP) that fit in 8 ranks: megatron-core's rank
 order, every element of every param owned by exactly one rank of each (expert) DP instance under the
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_opt.distributed.parallel_layout import (
+from parallel_layout import (
     ModelDims,
     OwnedElements,
     ParallelSizes,
