@@ -114,9 +114,10 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         self.num_distributed_optimizer_instances = self.ddp_config.num_distributed_optimizer_instances
         self.intra_instance_group, self.inter_instance_group = resolve_instance_groups(call, facts)
         one_bucket = self.disable_bucketing or self.model_parallel_groups.pipeline_parallel_rank > 0
-        self._all_buffers = build_buffers(named, self.ddp_config, bucket_size_of(self.ddp_config, self.dp_size, one_bucket),
-                                          self.data_parallel_group, self.expert_data_parallel_group,
-                                          self.intra_instance_group, self.inter_instance_group)
+        bucket_size = bucket_size_of(self.ddp_config, self.dp_size, one_bucket)
+        self._all_buffers = build_buffers(named, self.ddp_config, bucket_size, self.data_parallel_group,
+                                          self.expert_data_parallel_group, self.intra_instance_group,
+                                          self.inter_instance_group)
         self._wrapped = WrappedParams(named)
         self._buffer_of = {id(p): buf for buf in self._all_buffers for p in buf.params}
         device = named[0][1].device
