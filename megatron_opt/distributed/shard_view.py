@@ -8,10 +8,10 @@
 * ``GradSource``: the few calls the optimizer makes on a model chunk during a step, and
   ``ParamGather``, the few facts of the chunk's config it acts on (not the config itself).
 
-Two parts of the step's collective policy are decided here and nowhere else: whether and how a
-chunk's param all-gather is dispatched (``ParamGather``, ``gathers_in_graph``), and which groups the
-step's statistics are summed over (``step_stats_groups`` / ``chain_stats_groups``, from the shards'
-stats roles: stats_role.py).
+The step's collective policy has one owner per decision, and the optimizer reaches both through
+this module: whether and how a chunk's param all-gather is dispatched (``ParamGather``,
+``gathers_in_graph``, defined here), and which groups the step's statistics are summed over
+(``step_stats_groups`` / ``chain_stats_groups``, defined in stats_role.py from the shards' stats roles).
 
 ``assemble_full_tensors`` turns per-shard flat tensors (masters, grads) back into whole params by
 name, a collective over each shard's group.
