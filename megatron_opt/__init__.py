@@ -2,12 +2,11 @@
 import torch  # noqa: F401  (must precede the compiled extension)
 
 from .config import DistributedDataParallelConfig, OptimizerConfig
-from .errors import (CheckpointError, ConfigError, InvalidConfigError, MegatronOptError, RankError, StepOrderError,
-                     UnsupportedConfigError, VerificationError)
-from .distributed.buffers import LateGradientError
+from .errors import (CheckpointError, ConfigError, InvalidConfigError, LateGradientError, MegatronOptError, RankError,
+                     StepOrderError, UnsupportedConfigError, VerificationError)
 from .distributed.ddp import DistributedDataParallel
 from .distributed.parallel_groups import ModelParallelGroups
-from .distributed.shard_view import GradSource, LocalShard, ShardPiece, assemble_full_tensors
+from .distributed.shard_view import GradSource, LocalShard, ParamGather, ShardPiece, assemble_full_tensors
 from .optimizer.chained import ChainedOptimizer
 from .optimizer.distrib_optimizer import DistributedOptimizer
 from .optimizer.factory import get_megatron_optimizer, get_param_groups
@@ -35,6 +34,7 @@ __all__ = [
     "Finding",
     "GradSource",
     "LocalShard",
+    "ParamGather",
     "ShardPiece",
     "assemble_full_tensors",
     "MegatronOptimizer",

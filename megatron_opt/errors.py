@@ -23,6 +23,11 @@ class StepOrderError(MegatronOptError, RuntimeError):
     """An optimizer or DDP method called out of order (e.g. prepare_grads() twice in one step)."""
 
 
+class LateGradientError(MegatronOptError, RuntimeError):
+    """A gradient arrived for a param whose bucket was already launched for reduction, so it would be
+    lost (rule 7 of docs/contract.md); the message names the param and the bucket."""
+
+
 class RankError(MegatronOptError, RuntimeError):
     """One rank failed where every rank must go on together (e.g. a micro-batch's forward in
     train_step); raised on every rank, naming the failing rank and its error."""
@@ -39,5 +44,5 @@ class VerificationError(MegatronOptError, RuntimeError):
     check ('replica', 'update' or 'cast'), the param, the rank at fault and the size of the difference."""
 
 
-__all__ = ["MegatronOptError", "ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError", "RankError", "CheckpointError",
-           "VerificationError"]
+__all__ = ["MegatronOptError", "ConfigError", "InvalidConfigError", "UnsupportedConfigError", "StepOrderError",
+           "LateGradientError", "RankError", "CheckpointError", "VerificationError"]

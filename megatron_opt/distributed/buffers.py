@@ -18,12 +18,9 @@ from typing import Optional
 import torch
 
 from .. import collectives
+from ..errors import LateGradientError  # noqa: F401  (defined in errors.py; still importable from here)
 from .layout import BufferLayout, Range
 from .normalisation import reduce_prescale
-
-
-class LateGradientError(RuntimeError):
-    """A gradient arrived for a param whose bucket was already reduced (rule 7 of docs/contract.md)."""
 
 
 class Bucket:

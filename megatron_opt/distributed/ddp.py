@@ -1,5 +1,11 @@
 """DistributedDataParallel: grad buffers, backward hooks, bucket reduction and param all-gather.
 
+This module is the public class and the order of its work; each concern has its own module:
+ddp_call.py (the two call shapes), ddp_checks.py (construction checks and the replicas' agreement),
+grad_sync.py (buffers and the bucket launch order), hooks.py (grad and forward pre-hooks),
+step_state.py (the named per-step state), shard_publish.py (the optimizer's LocalShards),
+normalisation.py (the gradient factors), megatron_core_members.py (megatron-core's module passthroughs).
+
 Normalisation is deferred (normalisation.py): the buckets are reduced with SUM and nothing
 multiplies the gradients. ``grad_scale_factor`` (a device scalar, 1/DP by default) records what the
 gradients must be multiplied by; ``set_loss_divisor`` and ``scale_gradients`` change it, and every
@@ -18,38 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import Any, Iterator, Optional, Union, overload
 
 import torch
 
-from ..config import DistributedDataParallelConfig
-from ..errors import StepOrderError, UnsupportedConfigError
 from .. import collectives
-from .buffers import Bucket, LateGradientError, ParamAndGradBuffer
-from .ddp_call import check_instance_groups, global_ranks, instance_groups, parse_ddp_call
-from .layout import build_buffer_layout, partial_sharding
+from ..config import DistributedDataParallelConfig
+from ..errors import LateGradientError, StepOrderError
+from .buffers import ParamAndGradBuffer
+from .ddp_call import parse_ddp_call
+from .ddp_checks import (SUPPORTED_PARAM_DTYPES, WrappedParams, WrappingFacts, agree_on_wrapping, check_membership,
+                         resolve_instance_groups)
+from .grad_sync import BucketLaunchOrder, build_buffers, bucket_size_of
+from .hooks import ForwardPreHooks, install_grad_hooks
+from .megatron_core_members import MegatronCoreModuleMembers
 from .normalisation import GradNormalisation, loss_divisor_factor
-from .shard_view import LocalShard
 from .parallel_groups import ModelParallelGroups
-from .stats_role import resolve_stats_role
-
-SUPPORTED_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grad_accumulated_hook(ddp: "weakref.ref[DistributedDataParallel]"):
-    """The param's post-accumulate-grad hook, holding the wrapper weakly: a strong reference (a bound
-    method) makes param -> hook -> wrapper -> module -> param a cycle through autograd's C++ hook
-    storage, which Python's collector cannot see, so a dropped wrapper, its model, grad buffers and
-    process groups were never freed."""
-    def hook(param: torch.nn.Parameter) -> None:
-        wrapper = ddp()
-        if wrapper is not None:
-            wrapper._on_grad_accumulated(param)
-    return hook
+from .shard_publish import publish_shards
+from .shard_view import LocalShard, ParamGather
+from .step_state import GradSyncPhase, GradSyncState
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
     """Megatron-LM's data-parallel wrapper over grad buffers, for one model chunk.
 
     Two call shapes, told apart by the type of the first argument (or by keywords):
@@ -99,259 +95,44 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         call = parse_ddp_call(args, kwargs)
         super().__init__()
-        module = call.module
-        self.module = module
+        self.module = call.module
         self.config = call.transformer_config  # megatron-core's DDP carries the TransformerConfig too
         self.ddp_config = call.ddp_config
         self.disable_bucketing = call.disable_bucketing
-        data_parallel_group, expert_data_parallel_group = call.data_parallel_group, call.expert_data_parallel_group
         self.model_parallel_groups = call.model_parallel
-        self.data_parallel_group = data_parallel_group
-        self.expert_data_parallel_group = expert_data_parallel_group or data_parallel_group
-        self._check_membership(data_parallel_group, "data_parallel_group")
-        self._check_membership(expert_data_parallel_group, "expert_data_parallel_group")
-        self.dp_size = collectives.world_size(data_parallel_group)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        local_error = None
-        try:
-            self._check_params(named)
-        except ValueError as exc:
-            local_error = str(exc)
-        # One collective: a bad param on one rank, or ranks that wrap different models or configs,
-        # raise on every rank here instead of hanging or training different params later. With model
-        # parallelism the replicas compare fingerprints and then every rank of the model learns the outcome.
-        def agree_over_replicas() -> None:
-            collectives.agree(
-                "DistributedDataParallel", local_error, data_parallel_group, fingerprint=self._fingerprint(named),
-                error_type=ValueError,
-                fix="Every data-parallel rank must wrap the same model (same param names, order, shapes, dtypes and "
-                    "requires_grad) with the same DistributedDataParallelConfig.")
-        if self.model_parallel_groups.is_model_parallel:
-            collectives.raise_together(agree_over_replicas, self.model_parallel_groups.grad_stats,
-                                       "DistributedDataParallel", ValueError)
-        else:
-            agree_over_replicas()
-        # The ranks agree on the config, the DP size and whether expert params can be partially
-        # sharded, so the checks below raise on every rank or on none.
+        self.data_parallel_group = call.data_parallel_group
+        self.expert_data_parallel_group = call.expert_data_parallel_group or call.data_parallel_group
+        check_membership(call.data_parallel_group, "data_parallel_group")
+        check_membership(call.expert_data_parallel_group, "expert_data_parallel_group")
+        self.dp_size = collectives.world_size(self.data_parallel_group)
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        facts = WrappingFacts(named, self.ddp_config, self.dp_size, self.model_parallel_groups,
+                              self.data_parallel_group, self.expert_data_parallel_group)
+        agree_on_wrapping(facts)
+        # The ranks agreed on the config, the DP size and whether expert params can be partially
+        # sharded, so what follows raises on every rank or on none.
         self.num_distributed_optimizer_instances = self.ddp_config.num_distributed_optimizer_instances
-        self.intra_instance_group, self.inter_instance_group = self._instance_groups(call, named)
-        self._built_distributed = torch.distributed.is_initialized()
-        self._all_buffers = self._build_buffers(named)
+        self.intra_instance_group, self.inter_instance_group = resolve_instance_groups(call, facts)
+        one_bucket = self.disable_bucketing or self.model_parallel_groups.pipeline_parallel_rank > 0
+        bucket_size = bucket_size_of(self.ddp_config, self.dp_size, one_bucket)
+        self._all_buffers = build_buffers(named, self.ddp_config, bucket_size, self.data_parallel_group,
+                                          self.expert_data_parallel_group, self.intra_instance_group,
+                                          self.inter_instance_group)
+        self._wrapped = WrappedParams(named)
         self._buffer_of = {id(p): buf for buf in self._all_buffers for p in buf.params}
-        self._step_id = 0  # advanced by zero_grad_buffer(): lets the optimizer tell steps apart
-        self._grads_received = 0
-        self._local_shards: Optional[list[LocalShard]] = None
-        self._sync_enabled = True
-        self._launch_cursor = 0
-        self._inter_cursor = 0  # partial sharding: buckets whose inter-instance all-reduce was launched
-        self._buckets = [b for buf in self._all_buffers for b in buf.buckets]
-        self._nonfinite = torch.zeros((), dtype=torch.int64, device=named[0][1].device)
-        self._normalisation = GradNormalisation(1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size,
-                                                named[0][1].device)
-        self.force_all_reduce = False  # Megatron-LM sets it for a step whose main grads it saves whole
-        # Set by get_megatron_optimizer on the first chunk when OptimizerConfig's field of the same
-        # name is on: the optimizer dispatches this chunk's param all-gather inside its step, so a
-        # plain start_param_sync() from a training loop or schedule must not dispatch it again.
-        self.overlap_param_gather_with_optimizer_step = False
-        self._storage = {id(p): (p.data_ptr(), p.dtype) for _, p in named}
-        for _, p in named:
-            p._megatron_opt_wrapped = True  # a second wrapper would fight over the same params
-            p.register_post_accumulate_grad_hook(_grad_accumulated_hook(weakref.ref(self)))
-        self._param_wait_hooks: list = []
+        device = named[0][1].device
+        self._state = GradSyncState()
+        self._launch_order = BucketLaunchOrder([b for buf in self._all_buffers for b in buf.buckets],
+                                               partial_sharding=self.inter_instance_group is not None,
+                                               check_for_nan=self.ddp_config.check_for_nan_in_grad, device=device)
+        self._normalisation = GradNormalisation(1.0 if call.grad_scale_starts_at_one else 1.0 / self.dp_size, device)
+        self._local_shards: Optional[list[LocalShard]] = None  # published once, on the optimizer's first call
+        self._param_gather = ParamGather(self.ddp_config.use_distributed_optimizer,
+                                         self.ddp_config.overlap_param_gather)
+        install_grad_hooks(self, [p for _, p in named])
+        self._pre_hooks = ForwardPreHooks(self.module, self._buffer_of)
         if self.ddp_config.overlap_param_gather:
             self.enable_forward_pre_hook()
-
-    # ----------------------------------------------------------------- construction
-    @staticmethod
-    def _check_membership(group: Optional[torch.distributed.ProcessGroup], what: str) -> None:
-        if group is not None and torch.distributed.is_initialized() and torch.distributed.get_rank(group) < 0:
-            raise ValueError(f"DistributedDataParallel: this rank ({torch.distributed.get_rank()}) is not a member of "
-                             f"the {what} it was given; pass the group that contains this rank.")
-
-    def _fingerprint(self, named: list) -> list:
-        items: list = [(f"trainable param {i}", (n, tuple(p.shape), str(p.dtype))) for i, (n, p) in enumerate(named)]
-        items.append(("number of trainable params", len(named)))
-        items += [(f"ddp_config.{f.name}", getattr(self.ddp_config, f.name))
-                  for f in dataclasses.fields(self.ddp_config)]
-        items.append(("data-parallel size", self.dp_size))
-        items.append(("model-parallel sizes", self.model_parallel_groups.sizes()))
-        if self.ddp_config.num_distributed_optimizer_instances > 1:
-            items.append(("expert params share the data-parallel group", self._experts_share_dp_group(named)))
-        return items
-
-    def _experts_share_dp_group(self, named: list) -> bool:
-        """True when there are no expert-parallel params, or their data-parallel group spans the same
-        ranks as the dense one (then partial sharding splits both the same way)."""
-        if all(getattr(p, "allreduce", True) for _, p in named):
-            return True
-        return sorted(global_ranks(self.expert_data_parallel_group)) == sorted(global_ranks(self.data_parallel_group))
-
-    def _instance_groups(self, call: Any, named: list) -> tuple[Any, Any]:
-        """(intra-instance, inter-instance) groups: (the data-parallel group, None) with one instance."""
-        k = self.ddp_config.num_distributed_optimizer_instances
-        if k == 1:
-            return self.data_parallel_group, None
-        partial_sharding(self.dp_size, k)  # InvalidConfigError unless k divides DP (the same on every rank)
-        if not self._experts_share_dp_group(named):
-            raise UnsupportedConfigError(
-                f"DistributedDataParallelConfig.num_distributed_optimizer_instances={k} with expert-parallel params "
-                f"(allreduce=False) whose expert_data_parallel_group differs from the data-parallel group: partial "
-                f"sharding of a separate expert data-parallel group is not implemented. Use "
-                f"num_distributed_optimizer_instances=1, or expert_data_parallel_group = data_parallel_group.")
-        intra, inter = call.intra_instance_group, call.inter_instance_group
-        if intra is None:
-            intra, inter = instance_groups(self.data_parallel_group, k)
-        check_instance_groups(self.data_parallel_group, intra, inter, k)
-        return intra, inter
-
-    @staticmethod
-    def _check_params(named: list) -> None:
-        if not named:
-            raise ValueError("DistributedDataParallel: the module has no parameter with requires_grad=True.")
-        empty = [n for n, p in named if p.numel() == 0]
-        if empty:
-            raise ValueError(f"DistributedDataParallel: param '{empty[0]}' has no elements, so it cannot live in a "
-                             f"gradient buffer; freeze it (requires_grad=False) or remove it from the module.")
-        wrapped = [n for n, p in named if getattr(p, "_megatron_opt_wrapped", False)]
-        if wrapped:
-            raise ValueError(f"DistributedDataParallel: param '{wrapped[0]}' is already wrapped by another "
-                             f"DistributedDataParallel; wrap each module once (two wrappers would each re-point "
-                             f"the param into their own buffer).")
-        devices = {p.device for _, p in named}
-        if len(devices) != 1:
-            raise ValueError(f"DistributedDataParallel: all trainable params must be on one device, got {devices}.")
-        for name, p in named:
-            if p.dtype not in SUPPORTED_PARAM_DTYPES:
-                raise ValueError(
-                    f"param '{name}' has dtype {p.dtype}; megatron_opt buffers hold float32, bfloat16 or "
-                    f"float16 params. Cast the module (e.g. module.to(torch.bfloat16)) or freeze the param "
-                    f"(requires_grad=False)."
-                )
-
-    def _build_buffers(self, named: list) -> list[ParamAndGradBuffer]:
-        cfg = self.ddp_config
-        groups: dict[tuple, list] = {}
-        for name, p in named:
-            grad_dtype = torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
-            is_expert = not getattr(p, "allreduce", True)
-            groups.setdefault((p.dtype, grad_dtype, is_expert), []).append((name, p))
-        bucket_size = cfg.bucket_size
-        if bucket_size is None and cfg.overlap_grad_reduce:
-            bucket_size = max(40_000_000, 1_000_000 * self.dp_size)  # Megatron-LM's default
-        if self.disable_bucketing or self.model_parallel_groups.pipeline_parallel_rank > 0:
-            # megatron-core's disable_bucketing, and its rule for pipeline stages after the first (their
-            # gradient reduction is off the critical path): one bucket per buffer.
-            bucket_size = None
-        buffers = []
-        for (_, grad_dtype, is_expert), members in groups.items():
-            full_group = self.expert_data_parallel_group if is_expert else self.data_parallel_group
-            # Partial sharding: shard over one instance (the layout is sized by it, Megatron-LM PR #6048)
-            # and all-reduce each shard across instances. Experts then share the dense groups.
-            group = self.intra_instance_group if self.inter_instance_group is not None else full_group
-            shard_count = collectives.world_size(group) if cfg.use_distributed_optimizer else 1
-            params = [p for _, p in members]
-            layout = build_buffer_layout(
-                [p.numel() for p in params],
-                shard_count,
-                bucket_size=bucket_size,
-                pad_for_high_nccl_busbw=cfg.pad_buckets_for_high_nccl_busbw,
-                own_bucket=[getattr(p, "shared_embedding", False) for p in params],
-            )
-            buffers.append(
-                ParamAndGradBuffer(
-                    params, [n for n, _ in members], layout, grad_dtype, group,
-                    reduce_scatter=cfg.use_distributed_optimizer, is_expert_parallel=is_expert,
-                    inter_group=self.inter_instance_group, data_parallel_group=full_group,
-                )
-            )
-        return buffers
-
-    # ----------------------------------------------------------------- forward pre-hooks (overlap_param_gather)
-    def enable_forward_pre_hook(self) -> None:
-        """Make each submodule's forward wait for the all-gather of its params' buckets (installed at
-        construction with overlap_param_gather; Megatron-LM removes them around evaluation and saves)."""
-        if not self.ddp_config.overlap_param_gather:
-            raise StepOrderError("enable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True "
-                                 "(without it the param all-gather is synchronous and there is nothing to wait for).")
-        if self._param_wait_hooks:
-            raise StepOrderError("enable_forward_pre_hook(): the forward pre-hooks are already enabled; call "
-                                 "disable_forward_pre_hook() first.")
-        for module in self.module.modules():
-            buckets: dict[int, Bucket] = {}
-            for p in module.parameters(recurse=False):
-                if id(p) in self._buffer_of:
-                    bucket = self._buffer_of[id(p)].bucket_of(p)
-                    buckets[id(bucket)] = bucket
-            if buckets:
-                self._param_wait_hooks.append(
-                    module.register_forward_pre_hook(self._make_param_wait_hook(list(buckets.values()))))
-
-    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
-        """Remove the forward pre-hooks; with ``param_sync`` first finish every param all-gather, so the
-        module holds the updated params without them."""
-        if not self.ddp_config.overlap_param_gather:
-            raise StepOrderError("disable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True.")
-        for handle in self._param_wait_hooks:
-            handle.remove()
-        self._param_wait_hooks = []
-        if param_sync:
-            self.start_param_sync(force_sync=True)
-
-    @property
-    def remove_forward_pre_hook_handles(self) -> list:
-        """The installed forward pre-hook handles (empty when disabled); Megatron-LM reads its length."""
-        return list(self._param_wait_hooks)
-
-    @staticmethod
-    def _make_param_wait_hook(buckets: list[Bucket]):
-        def hook(module, args):
-            for bucket in buckets:
-                bucket.finish_param_sync()
-        return hook
-
-    # ----------------------------------------------------------------- the optimizer's view (shard_view.GradSource)
-    def local_shards(self, expert_parallel: Optional[bool] = None) -> list[LocalShard]:
-        """This rank's shard of every bucket, in buffer and bucket order (dense or expert only if asked)."""
-        if self._local_shards is None:
-            self._local_shards = [self._publish(bi, buf, bucket) for bi, buf in enumerate(self._all_buffers)
-                                  for bucket in buf.buckets]
-        return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
-
-    def _publish(self, buffer_index: int, buf: ParamAndGradBuffer, bucket: Bucket) -> LocalShard:
-        members = {buf.param_index[id(p)]: p for p in bucket.params}
-        sharded = buf.reduce_scatter and buf.shard_count > 1
-        instance_count = collectives.world_size(buf.inter_group) if buf.inter_group is not None else 1
-        instance_rank = collectives.rank(buf.inter_group) if buf.inter_group is not None else 0
-        return LocalShard.make(
-            params=members, names={i: buf.names[i] for i in members},
-            grad=bucket.grad_shard, param=bucket.param_shard,
-            pieces=tuple(buf.layout.shard_pieces(bucket.index, buf.rank)),
-            group=buf.group, sharded=sharded,
-            is_expert_parallel=buf.is_expert_parallel, buffer_index=buffer_index, bucket_index=bucket.index,
-            rank=buf.rank, shard_count=buf.shard_count,
-            unscale_factor=self._normalisation.unscale_factor(buf.grad_prescale),
-            stats_role=resolve_stats_role(buf.group, sharded, buf.data_parallel_group, instance_rank, instance_count,
-                                          self.model_parallel_groups),
-            grad_prescale=buf.grad_prescale,
-            data_parallel_group=buf.data_parallel_group, inter_instance_group=buf.inter_group,
-            instance_count=instance_count, instance_rank=instance_rank,
-            tensor_parallel_group=self._tensor_parallel_group(buf.is_expert_parallel),
-        )
-
-    def _tensor_parallel_group(self, expert: bool) -> Optional[torch.distributed.ProcessGroup]:
-        groups = self.model_parallel_groups
-        group = groups.expert_tensor if expert and groups.expert_tensor is not None else groups.tensor
-        return group if group is not None and collectives.world_size(group) > 1 else None
-
-    @property
-    def step_id(self) -> int:
-        """Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step."""
-        return self._step_id
-
-    @property
-    def grads_received(self) -> int:
-        """Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step)."""
-        return self._grads_received
 
     # ----------------------------------------------------------------- forward / state
     def forward(self, *args, **kwargs):
@@ -363,35 +144,6 @@ class DistributedDataParallel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True):
         return self.module.load_state_dict(state_dict, strict=strict)
 
-    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False) -> dict:
-        """The wrapped module's checkpoint state dict (its own state_dict_for_save_checkpoint when it has
-        one, as megatron-core's modules do), without this wrapper's 'module.' prefix."""
-        inner = getattr(self.module, "state_dict_for_save_checkpoint", None)
-        if callable(inner):
-            return inner(prefix=prefix, keep_vars=keep_vars)
-        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
-        """The wrapped module's megatron-core sharded state dict (Megatron-LM's torch_dist model checkpoint)."""
-        inner = getattr(self.module, "sharded_state_dict", None)
-        if not callable(inner):
-            raise UnsupportedConfigError(
-                f"sharded_state_dict(): the wrapped {type(self.module).__name__} has no sharded_state_dict (only "
-                f"megatron-core modules do). Save with megatron_opt.checkpoint.save, or Megatron-LM's "
-                f"--ckpt-format torch.")
-        return inner(prefix=prefix, sharded_offsets=sharded_offsets, metadata=metadata)
-
-    def set_is_first_microbatch(self) -> None:
-        """Tell the wrapped modules a new step's first micro-batch starts (Transformer Engine refreshes
-        its fp8 weight caches on it); megatron-core's modules decide themselves whether it matters."""
-        inner = getattr(self.module, "set_is_first_microbatch", None)
-        if callable(inner):
-            inner()
-            return
-        for m in self.module.modules():
-            if hasattr(m, "is_first_microbatch"):
-                m.is_first_microbatch = True
-
     @property
     def buffers(self) -> list[ParamAndGradBuffer]:  # type: ignore[override]  (megatron-core's name)
         """The dense (non-expert) param and grad buffers."""
@@ -402,13 +154,57 @@ class DistributedDataParallel(torch.nn.Module):
         """The expert-parallel buffers (params with ``allreduce == False``)."""
         return [b for b in self._all_buffers if b.is_expert_parallel]
 
-    def offload_grad_buffers(self, synchronize: bool = True, empty_cache: bool = True) -> None:
-        raise UnsupportedConfigError(
-            "offload_grad_buffers(): megatron_opt does not free its grad buffers between steps (the optimizer's "
-            "step plans point into them); run without Megatron-LM's grad-buffer offloading.")
+    # ----------------------------------------------------------------- forward pre-hooks (overlap_param_gather)
+    def enable_forward_pre_hook(self) -> None:
+        """Make each submodule's forward wait for the all-gather of its params' buckets (installed at
+        construction with overlap_param_gather; Megatron-LM removes them around evaluation and saves)."""
+        if not self.ddp_config.overlap_param_gather:
+            raise StepOrderError("enable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True "
+                                 "(without it the param all-gather is synchronous and there is nothing to wait for).")
+        self._pre_hooks.enable()
 
-    def restore_grad_buffers(self, synchronize: bool = True) -> None:
-        raise UnsupportedConfigError("restore_grad_buffers(): grad-buffer offloading is not supported by megatron_opt.")
+    def disable_forward_pre_hook(self, param_sync: bool = True) -> None:
+        """Remove the forward pre-hooks; with ``param_sync`` first finish every param all-gather, so the
+        module holds the updated params without them."""
+        if not self.ddp_config.overlap_param_gather:
+            raise StepOrderError("disable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True.")
+        self._pre_hooks.disable()
+        if param_sync:
+            self.start_param_sync(force_sync=True)
+
+    @property
+    def remove_forward_pre_hook_handles(self) -> list:
+        """The installed forward pre-hook handles (empty when disabled); Megatron-LM reads its length."""
+        return list(self._pre_hooks.handles)
+
+    # ----------------------------------------------------------------- the optimizer's view (shard_view.GradSource)
+    def local_shards(self, expert_parallel: Optional[bool] = None) -> list[LocalShard]:
+        """This rank's shard of every bucket, in buffer and bucket order (dense or expert only if asked)."""
+        if self._local_shards is None:
+            self._local_shards = publish_shards(self._all_buffers, self._normalisation, self.model_parallel_groups)
+        return [s for s in self._local_shards if expert_parallel is None or s.is_expert_parallel == expert_parallel]
+
+    # What the optimizer reads of the step (the GradSource protocol), from the named per-step state.
+    step_id = property(lambda self: self._state.step_id,
+                       doc="Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step.")
+    grads_received = property(lambda self: self._state.grads_received,
+                              doc="Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step).")
+    grad_sync_phase = property(lambda self: self._state.phase,
+                               doc="Where this chunk's gradients are in the step (step_state.GradSyncPhase).")
+    param_gather = property(lambda self: self._param_gather,
+                            doc="Whether, how and by whom this chunk's param all-gather is dispatched "
+                                "(shard_view.ParamGather).")
+
+    @property
+    def overlap_param_gather_with_optimizer_step(self) -> bool:
+        """megatron-core's attribute, set by get_megatron_optimizer on the first chunk when OptimizerConfig's
+        field of the same name is on: the optimizer dispatches this chunk's param all-gather inside its
+        step, so a plain start_param_sync() from a training loop or schedule does not dispatch it again."""
+        return self._param_gather.owned_by_step
+
+    @overlap_param_gather_with_optimizer_step.setter
+    def overlap_param_gather_with_optimizer_step(self, value: bool) -> None:
+        self._param_gather = dataclasses.replace(self._param_gather, owned_by_step=bool(value))
 
     # ----------------------------------------------------------------- gradients
     def _on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
@@ -442,52 +238,39 @@ class DistributedDataParallel(torch.nn.Module):
             )
         if grad is not None:
             param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
-        self._grads_received += 1
-        if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
+        self._state.grads_received += 1
+        if self._state.sync_enabled and self.ddp_config.overlap_grad_reduce:
             bucket.mark_ready(param)
-            self._launch_ready_buckets()
+            self._launch_order.launch_ready(self._state.force_all_reduce)
+            self._note_launches()
 
-    def _launch_ready_buckets(self) -> None:
-        # Launch strictly in bucket order so every rank issues its collectives in the same order,
-        # even when a param's grad is missing on some ranks (it then waits for finish_grad_sync).
-        while self._launch_cursor < len(self._buckets):
-            bucket = self._buckets[self._launch_cursor]
-            if not bucket.all_ready:
-                break
-            self._launch(bucket, async_op=True)
-        self._launch_inter_syncs()
-
-    def _launch_inter_syncs(self) -> None:
-        """Partial sharding: launch the inter-instance all-reduce of every launched bucket whose
-        reduce-scatter has finished, strictly in bucket order (an unfinished one stops the scan)."""
-        if self.inter_instance_group is None:
-            return
-        while self._inter_cursor < self._launch_cursor:
-            if not self._buckets[self._inter_cursor].start_inter_sync(block=False):
-                return
-            self._inter_cursor += 1
-
-    def _launch(self, bucket: Bucket, async_op: bool) -> None:
-        if self.ddp_config.check_for_nan_in_grad:
-            self._nonfinite += torch.isfinite(bucket.grad_data).logical_not_().sum()
-        bucket.start_grad_sync(async_op, all_reduce=self.force_all_reduce)
-        self._launch_cursor += 1  # buckets are launched strictly in order
+    def _note_launches(self) -> None:
+        if self._launch_order.launched and self._state.phase is GradSyncPhase.ACCUMULATING:
+            self._state.enter(GradSyncPhase.REDUCING)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Micro-batches inside accumulate only; the one after it (the last) triggers the reduction."""
-        previous, self._sync_enabled = self._sync_enabled, False
+        previous, self._state.sync_enabled = self._state.sync_enabled, False
         try:
             yield
         finally:
-            self._sync_enabled = previous  # nested no_sync() blocks leave sync off until the outermost ends
+            self._state.sync_enabled = previous  # nested no_sync() blocks leave sync off until the outermost ends
+
+    @property
+    def force_all_reduce(self) -> bool:
+        """Megatron-LM sets it for a step whose main grads it saves whole: buckets are all-reduced."""
+        return self._state.force_all_reduce
+
+    @force_all_reduce.setter
+    def force_all_reduce(self, value: bool) -> None:
+        self._state.force_all_reduce = value
 
     def start_grad_sync(self, *unused: Any) -> None:
         """Launch the reduction of every bucket not yet launched. Positional arguments (megatron-core's
         interleaved schedules pass the chunk's params) are accepted and ignored."""
-        for bucket in self._buckets[self._launch_cursor :]:
-            self._launch(bucket, async_op=self.ddp_config.overlap_grad_reduce)
-        self._launch_inter_syncs()
+        self._launch_order.launch_rest(self.ddp_config.overlap_grad_reduce, self._state.force_all_reduce)
+        self._note_launches()
 
     def finish_grad_sync(self, force_all_reduce: Optional[bool] = False) -> None:
         """Launch every bucket not yet launched (unused params contribute zeros) and wait for all.
@@ -496,25 +279,16 @@ class DistributedDataParallel(torch.nn.Module):
         yet launched, so every rank's ``main_grad`` holds the whole reduced gradient (Megatron-LM
         saves gradients that way); the optimizer reads its shard of it either way.
         """
-        previous = self.force_all_reduce
-        self.force_all_reduce = previous or bool(force_all_reduce)
+        previous = self._state.force_all_reduce
+        self._state.force_all_reduce = previous or bool(force_all_reduce)
         try:
             self.start_grad_sync()
         finally:
-            self.force_all_reduce = previous
-        for bucket in self._buckets:
-            bucket.finish_grad_sync()
+            self._state.force_all_reduce = previous
+        self._launch_order.wait_all()
+        self._state.enter(GradSyncPhase.REDUCED)
         if self.ddp_config.check_for_nan_in_grad:
-            flag = self._nonfinite.clone()
-            collectives.all_reduce(flag, self._failure_group())
-            if int(flag.item()) > 0:  # every rank sees the same reduced count and raises together
-                raise RuntimeError(
-                    f"check_for_nan_in_grad: {int(flag.item())} non-finite gradient elements found before "
-                    f"the data-parallel reduction. Inspect the loss and the inputs of this step."
-                )
-
-    def _failure_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        return self.agreement_groups[-1]
+            self._launch_order.raise_if_nonfinite(self.agreement_groups[-1])
 
     @property
     def agreement_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
@@ -530,30 +304,7 @@ class DistributedDataParallel(torch.nn.Module):
         longer the buffer view (``.data`` reassigned, ``module.to(dtype)``, ``load_state_dict(assign=True)``),
         its dtype changed, ``requires_grad`` was flipped, or the process group appeared after wrapping.
         One pass over the params; zero_grad_buffer() calls it once per step."""
-        if not self._built_distributed and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            raise StepOrderError("DistributedDataParallel was built before init_process_group(), so its buffers are "
-                                 "not sharded or reduced over the data-parallel ranks; wrap the model after "
-                                 "torch.distributed.init_process_group().")
-        fix = ("Make such changes before wrapping (cast, load and freeze first), or copy values in place "
-               "(param.data.copy_(...), load_state_dict without assign=True).")
-        trainable = 0
-        for name, p in self.module.named_parameters():
-            expected = self._storage.get(id(p))
-            if expected is None:
-                if p.requires_grad:
-                    raise ValueError(f"param '{name}' is not the param that was wrapped: it was replaced (e.g. "
-                                     f"load_state_dict(assign=True), a new nn.Parameter) or became trainable after "
-                                     f"wrapping, so it is not in megatron_opt's buffers and would never be updated. {fix}")
-                continue
-            trainable += 1
-            if not p.requires_grad:
-                raise ValueError(f"param '{name}' had requires_grad set to False after wrapping; it is still in the "
-                                 f"buffers and the optimizer would keep updating it. {fix}")
-            if (p.data_ptr(), p.dtype) != expected:
-                raise ValueError(f"param '{name}' no longer lives in megatron_opt's buffer (its storage or dtype "
-                                 f"changed after wrapping: now {p.dtype}), so training would not change it. {fix}")
-        if trainable != len(self._storage):
-            raise ValueError(f"{len(self._storage) - trainable} wrapped param(s) are no longer in the module. {fix}")
+        self._wrapped.check_unchanged(self.module)
 
     def zero_grad_buffer(self) -> None:
         """Start a new step: zero every grad buffer, reset bucket state and the scale factor."""
@@ -563,13 +314,11 @@ class DistributedDataParallel(torch.nn.Module):
             for p in buf.params:
                 if getattr(p, "grad_added_to_main_grad", False):
                     p.grad_added_to_main_grad = False
-        self._launch_cursor = 0
-        self._inter_cursor = 0
-        self._nonfinite.zero_()
+        self._launch_order.reset()
         self._normalisation.reset()
-        self._grads_received = 0
-        self._step_id += 1
+        self._state.new_step()
 
+    # ----------------------------------------------------------------- normalisation (normalisation.py)
     @property
     def grad_scale_factor(self) -> torch.Tensor:
         """What this step's reduced gradients must be multiplied by (a 1-element fp32 device tensor;
@@ -600,9 +349,9 @@ class DistributedDataParallel(torch.nn.Module):
         (``overlap_param_gather_with_optimizer_step``) does nothing here unless ``force_dispatch``
         or ``force_sync`` is given.
         """
-        if self.overlap_param_gather_with_optimizer_step and not (force_dispatch or force_sync):
+        if not self._param_gather.dispatches(force_dispatch, force_sync):
             return
-        async_op = self.ddp_config.overlap_param_gather and not force_sync
+        async_op = self._param_gather.is_async(force_sync)
         for buf in self._all_buffers:
             if expert_parallel is not None and buf.is_expert_parallel != expert_parallel:
                 continue
@@ -612,10 +361,13 @@ class DistributedDataParallel(torch.nn.Module):
                     bucket.finish_param_sync()
 
     def finish_param_sync(self) -> None:
-        for bucket in self._buckets:
+        for bucket in self._launch_order.buckets:
             bucket.finish_param_sync()
 
     def broadcast_params(self) -> None:
         """Make every data-parallel rank (of every optimizer instance) start from rank 0's parameters."""
         for buf in self._all_buffers:
             collectives.broadcast(buf.param_data, 0, buf.data_parallel_group)
+
+
+__all__ = ["DistributedDataParallel", "LateGradientError", "SUPPORTED_PARAM_DTYPES"]

@@ -26,6 +26,7 @@ import torch
 from .. import collectives
 
 ProcessGroup = torch.distributed.ProcessGroup
+DIMENSIONS = ("tensor", "pipeline", "context", "expert", "expert tensor")
 
 
 @dataclass(frozen=True)
@@ -40,53 +41,38 @@ class ModelParallelGroups:
     # The ranks whose statistics are summed into one decision (None: the default group, the world).
     grad_stats: Optional[ProcessGroup] = None
 
-    @staticmethod
-    def _size(group: Optional[ProcessGroup]) -> int:
+    def _group(self, dimension: str) -> Optional[ProcessGroup]:
+        if dimension == "expert tensor":  # megatron-core's default: the dense tensor-parallel group
+            return self.expert_tensor if self.expert_tensor is not None else self.tensor
+        return {"tensor": self.tensor, "pipeline": self.pipeline, "context": self.context,
+                "expert": self.expert}[dimension]
+
+    def size(self, dimension: str) -> int:
+        """The size of one dimension's group ('tensor', 'pipeline', 'context', 'expert', 'expert tensor')."""
+        group = self._group(dimension)
         return collectives.world_size(group) if group is not None else 1
 
-    @staticmethod
-    def _rank(group: Optional[ProcessGroup]) -> int:
+    def rank(self, dimension: str) -> int:
+        """This rank's index in one dimension's group (0 without one)."""
+        group = self._group(dimension)
         return collectives.rank(group) if group is not None else 0
 
-    @property
-    def tensor_parallel_size(self) -> int:
-        return self._size(self.tensor)
-
-    @property
-    def tensor_parallel_rank(self) -> int:
-        return self._rank(self.tensor)
-
-    @property
-    def expert_tensor_parallel_rank(self) -> int:
-        return self._rank(self.expert_tensor if self.expert_tensor is not None else self.tensor)
-
-    @property
-    def pipeline_parallel_size(self) -> int:
-        return self._size(self.pipeline)
-
-    @property
-    def pipeline_parallel_rank(self) -> int:
-        return self._rank(self.pipeline)
-
-    @property
-    def context_parallel_size(self) -> int:
-        return self._size(self.context)
-
-    @property
-    def expert_parallel_size(self) -> int:
-        return self._size(self.expert)
+    tensor_parallel_size = property(lambda self: self.size("tensor"))
+    tensor_parallel_rank = property(lambda self: self.rank("tensor"))
+    expert_tensor_parallel_rank = property(lambda self: self.rank("expert tensor"))
+    pipeline_parallel_size = property(lambda self: self.size("pipeline"))
+    pipeline_parallel_rank = property(lambda self: self.rank("pipeline"))
+    context_parallel_size = property(lambda self: self.size("context"))
+    expert_parallel_size = property(lambda self: self.size("expert"))
 
     @property
     def is_model_parallel(self) -> bool:
         """True when any model-parallel group spans more than one rank."""
-        return any(self._size(g) > 1 for g in (self.tensor, self.pipeline, self.context, self.expert,
-                                               self.expert_tensor))
+        return any(self.size(d) > 1 for d in DIMENSIONS)
 
     def sizes(self) -> dict[str, int]:
         """{dimension: size}, for error messages and fingerprints."""
-        return {"tensor": self.tensor_parallel_size, "pipeline": self.pipeline_parallel_size,
-                "context": self.context_parallel_size, "expert": self.expert_parallel_size,
-                "expert tensor": self._size(self.expert_tensor if self.expert_tensor is not None else self.tensor)}
+        return {d: self.size(d) for d in DIMENSIONS}
 
 
 def from_pg_collection(pg_collection: Any) -> ModelParallelGroups:

@@ -5,7 +5,13 @@
 * ``LocalShard``: one frozen view per bucket of this rank's owned range (flat grad and param views,
   the param pieces inside it with their names, the process group, the one resolved unscale factor
   of its gradients and its role in the gradient statistics), from ``GradSource.local_shards()``;
-* ``GradSource``: the few calls the optimizer makes on a model chunk during a step.
+* ``GradSource``: the few calls the optimizer makes on a model chunk during a step, and
+  ``ParamGather``, the few facts of the chunk's config it acts on (not the config itself).
+
+The step's collective policy has one owner per decision, and the optimizer reaches both through
+this module: whether and how a chunk's param all-gather is dispatched (``ParamGather``,
+``gathers_in_graph``, defined here), and which groups the step's statistics are summed over
+(``step_stats_groups`` / ``chain_stats_groups``, defined in stats_role.py from the shards' stats roles).
 
 ``assemble_full_tensors`` turns per-shard flat tensors (masters, grads) back into whole params by
 name, a collective over each shard's group.
@@ -14,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .. import collectives
 from .layout import ShardPiece
-from .stats_role import StatsRole
+from .stats_role import (StatsRole, chain_stats_groups, stats_span_model_parallel, step_stats_groups,
+                         with_tensor_parallel_rank)
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,36 @@ class LocalShard:
         return LocalShard(params=MappingProxyType(dict(params)), names=MappingProxyType(dict(names)), **fields)
 
 
+@dataclass(frozen=True)
+class ParamGather:
+    """Whether, how and by whom a chunk's param all-gather is dispatched: the one place that decides it.
+
+    DistributedDataParallel builds it from its config; the optimizer reads it instead of the config.
+    ``start_param_sync`` dispatches when ``dispatches`` says so; the optimizer's step always passes
+    ``force_dispatch=True`` (it is the dispatcher the step-owned all-gather waits for).
+    """
+
+    use_distributed_optimizer: bool  # params are sharded: after an update their shards are all-gathered
+    overlap_param_gather: bool  # the all-gather is asynchronous, waited by the forward pre-hooks
+    # Megatron-LM's overlap_param_gather_with_optimizer_step on this chunk: the optimizer's step
+    # dispatches the all-gather, so a training loop's or schedule's plain start_param_sync() does not.
+    owned_by_step: bool = False
+
+    def dispatches(self, force_dispatch: bool, force_sync: bool) -> bool:
+        """Whether a start_param_sync() call dispatches the all-gather (megatron-core's rule)."""
+        return not self.owned_by_step or force_dispatch or force_sync
+
+    def is_async(self, force_sync: bool) -> bool:
+        """Whether a dispatched all-gather runs asynchronously (to be waited by the forward pre-hooks)."""
+        return self.overlap_param_gather and not force_sync
+
+
+def gathers_in_graph(gathers: Sequence[ParamGather]) -> bool:
+    """Whether the CUDA-graph step captures the param all-gathers: only when all are synchronous
+    (asynchronous ones are waited by forward pre-hooks, outside the graph, so they are dispatched after it)."""
+    return not any(g.overlap_param_gather for g in gathers)
+
+
 @runtime_checkable
 class GradSource(Protocol):
     """What the optimizer needs from one data-parallel model chunk (DistributedDataParallel).
@@ -84,11 +121,12 @@ class GradSource(Protocol):
     * ``start_param_sync(force_sync=..., force_dispatch=..., expert_parallel=...)`` /
       ``finish_param_sync()``: all-gather the updated param shards (async with overlap_param_gather);
       the optimizer always passes ``force_dispatch=True``.
-    * ``ddp_config``: the DistributedDataParallelConfig it was built with (the optimizer checks that
-      both sides agree on use_distributed_optimizer).
+    * ``param_gather``: the chunk's ``ParamGather`` (use_distributed_optimizer, overlap_param_gather,
+      whether the step owns the all-gather): all the optimizer knows of the chunk's config.
     """
 
-    ddp_config: Any
+    @property
+    def param_gather(self) -> ParamGather: ...
 
     @property
     def step_id(self) -> int: ...
@@ -134,4 +172,6 @@ def assemble_full_tensors(
     return out
 
 
-__all__ = ["LocalShard", "GradSource", "ShardPiece", "StatsRole", "assemble_full_tensors"]
+__all__ = ["LocalShard", "GradSource", "ParamGather", "ShardPiece", "StatsRole", "assemble_full_tensors",
+           "chain_stats_groups", "gathers_in_graph", "stats_span_model_parallel", "step_stats_groups",
+           "with_tensor_parallel_rank"]

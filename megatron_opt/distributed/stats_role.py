@@ -6,11 +6,16 @@ be counted exactly once, and every rank that took part in the gradient must take
 decision. Which copy counts depends on how the data is replicated, which only ``distributed/``
 knows; it resolves a role per published shard once, and the optimizer just reads it. Model
 parallelism adds its roles here (tensor-parallel duplicates, the tied last-stage copy, expert-TP).
+
+Which groups a step sums over is decided here too, from the roles: ``step_stats_groups`` for one
+optimizer, ``chain_stats_groups`` for a ChainedOptimizer. megatron_opt's older keywords (from before
+DistributedDataParallel knew the model-parallel groups: ``model_parallel_group``,
+``tensor_parallel_group``, ``grad_stats_group``) are translated here and nowhere else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
 
 import torch
 
@@ -110,4 +115,38 @@ def resolve_stats_role(group: Optional[torch.distributed.ProcessGroup], sharded:
     return StatsRole(groups=(summed_over,) if collectives.world_size(summed_over) > 1 else (), counts=counts)
 
 
-__all__ = ["StatsRole", "element_counts", "param_counts_in_norm", "resolve_stats_role", "shard_counts"]
+ProcessGroup = torch.distributed.ProcessGroup
+
+
+def step_stats_groups(roles: Sequence[StatsRole],
+                      model_parallel_group: Optional[ProcessGroup] = None) -> list[Optional[ProcessGroup]]:
+    """The groups one optimizer's statistics, and every step decision, are summed over, in turn ([] on
+    one rank; [None] is the default group): those of its shards' roles, then the older
+    ``model_parallel_group`` keyword's where the roles do not already reach every model-parallel peer."""
+    groups = next((list(role.groups) for role in roles if role.groups), [])
+    if model_parallel_group is not None and not any(role.spans_model_parallel for role in roles):
+        groups.append(model_parallel_group)
+    return groups
+
+
+def chain_stats_groups(grad_stats_group: Optional[ProcessGroup] = None) -> list[Optional[ProcessGroup]]:
+    """A ChainedOptimizer's: one group covering every rank that holds any child's shards (dense and
+    expert children hold different params): ``grad_stats_group`` if given, else the world."""
+    return [grad_stats_group]
+
+
+def stats_span_model_parallel(roles: Sequence[StatsRole], model_parallel_group: Optional[ProcessGroup] = None) -> bool:
+    """Whether the statistics reach model-parallel peers (ranks holding other params)."""
+    return model_parallel_group is not None or any(role.spans_model_parallel for role in roles)
+
+
+def with_tensor_parallel_rank(role: StatsRole, tensor_parallel_group: Optional[ProcessGroup]) -> StatsRole:
+    """The older ``tensor_parallel_group`` keyword: that group's rank decides which copies of replicated
+    params count, expert params included (the role as published when it is None)."""
+    if tensor_parallel_group is None:
+        return role
+    return replace(role, tensor_parallel_rank=collectives.rank(tensor_parallel_group), expert_tensor_parallel_rank=None)
+
+
+__all__ = ["StatsRole", "element_counts", "param_counts_in_norm", "resolve_stats_role", "shard_counts",
+           "step_stats_groups", "chain_stats_groups", "stats_span_model_parallel", "with_tensor_parallel_rank"]

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..distributed.shard_view import chain_stats_groups
 from .distrib_optimizer import DistributedOptimizer
 from .megatron_optimizer import MegatronOptimizer
 from .leaf import OptimizerLeaf
@@ -43,18 +44,18 @@ class ChainedOptimizer(MegatronOptimizer):
         self.chained_optimizers = list(chained_optimizers)
         self.config = self.chained_optimizers[0].config
         self.grad_stats_group = grad_stats_group
-        device = self.chained_optimizers[0].shard_group.step.device
+        device = self.chained_optimizers[0].leaf.step.device
         scaler = self.chained_optimizers[0].grad_scaler
         # Megatron-LM's overlap_param_gather_with_optimizer_step: the first child (the first model
         # chunk's dense params) all-gathers its params while the other children update theirs.
         early = 1 if self.config.overlap_param_gather_with_optimizer_step else 0
-        self._driver = StepDriver(self._leaves(), self.config, scaler, [grad_stats_group], device,
+        self._driver = StepDriver(self._leaves(), self.config, scaler, chain_stats_groups(grad_stats_group), device,
                                   early_param_sync=early)
         for child in self.chained_optimizers:
             child.join_chain(self)
 
     def _leaves(self) -> list[OptimizerLeaf]:
-        return [c.shard_group for c in self.chained_optimizers]
+        return [c.leaf for c in self.chained_optimizers]
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:
@@ -62,4 +63,4 @@ class ChainedOptimizer(MegatronOptimizer):
         return [leaf for c in self.chained_optimizers for leaf in c.state_leaves()]
 
     def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
-        return self.grad_stats_group
+        return self._driver.stats_groups[0]

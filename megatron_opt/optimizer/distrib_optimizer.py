@@ -12,7 +12,7 @@ import torch
 
 from .. import collectives
 from ..errors import InvalidConfigError
-from ..distributed.shard_view import GradSource
+from ..distributed.shard_view import GradSource, stats_span_model_parallel, step_stats_groups
 from ..config_conversion import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
@@ -71,12 +71,14 @@ class DistributedOptimizer(MegatronOptimizer):
             main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)
             param_remainders=config.uses_param_remainders,
         )
-        self.shard_group = OptimizerLeaf(store)  # the leaf (the attribute keeps its old name for now)
-        self._driver = StepDriver([self.shard_group], config, grad_scaler, self._stats_groups(),
-                                  self.shard_group.step.device)
+        self.leaf = OptimizerLeaf(store)  # the one leaf: masters, rule state and the calls the driver makes
+        # Which groups sum the statistics: decided by the shard view from the shards' roles.
+        self._driver = StepDriver([self.leaf], config, grad_scaler,
+                                  step_stats_groups(self.leaf.stats_roles(), model_parallel_group),
+                                  self.leaf.step.device)
         # Over the data-parallel replicas only: model-parallel peers hold other params, so other groups.
         collectives.agree(
-            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), self.shard_group.replica_group(),
+            "DistributedOptimizer", _overlap_with_step_error(config, model_chunks), self.leaf.replica_group(),
             fingerprint=self._fingerprint(), error_type=InvalidConfigError,
             fix="Every data-parallel rank must build the optimizer with the same OptimizerConfig, update rule, "
                 "param groups and loss scaler.")
@@ -90,33 +92,26 @@ class DistributedOptimizer(MegatronOptimizer):
                   for i, g in enumerate(self.param_groups)]
         return items
 
-    def _stats_groups(self) -> list:
-        groups = self.shard_group.stats_groups()
-        # The shards of a model-parallel DistributedDataParallel already sum over every rank.
-        if self.model_parallel_group is not None and not self.shard_group.stats_span_model_parallel():
-            groups.append(self.model_parallel_group)
-        return groups
-
     def _leaves(self) -> list[OptimizerLeaf]:
-        return [self.shard_group]
+        return [self.leaf]
 
     @property
     def update_rule(self) -> UpdateRule:
-        return self.shard_group.rule
+        return self.leaf.rule
 
     @property
     def step_count(self) -> int:
         """Updates applied so far (skipped steps excluded)."""
-        return int(self.shard_group.step.item())
+        return int(self.leaf.step.item())
 
     # ----------------------------------------------------------------- the state view (checkpoints, state_dict)
     def state_leaves(self) -> list[LeafView]:
-        model_parallel = self.model_parallel_group is not None or self.shard_group.stats_span_model_parallel()
-        return [leaf_view(self.shard_group, self.model_chunks, model_parallel=model_parallel)]
+        model_parallel = stats_span_model_parallel(self.leaf.stats_roles(), self.model_parallel_group)
+        return [leaf_view(self.leaf, self.model_chunks, model_parallel=model_parallel)]
 
     def _state_dict_group(self) -> Optional[torch.distributed.ProcessGroup]:
         # The data-parallel group: its ranks end a load in one param all-gather.
-        groups = self.shard_group.stats_groups()
+        groups = step_stats_groups(self.leaf.stats_roles())
         return groups[0] if groups else None
 
 
@@ -125,7 +120,7 @@ def _overlap_with_step_error(config: Any, model_chunks: Sequence[GradSource]) ->
     pre-hooks wait for, so (as in Megatron-LM) the chunks must be wrapped with overlap_param_gather."""
     if not config.overlap_param_gather_with_optimizer_step:
         return None
-    if all(chunk.ddp_config.overlap_param_gather for chunk in model_chunks):
+    if all(chunk.param_gather.overlap_param_gather for chunk in model_chunks):
         return None
     return ("OptimizerConfig.overlap_param_gather_with_optimizer_step=True needs every model chunk wrapped with "
             "DistributedDataParallelConfig(overlap_param_gather=True) (its forward pre-hooks wait for the "

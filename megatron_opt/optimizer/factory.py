@@ -117,11 +117,11 @@ def get_megatron_optimizer(
         if not isinstance(chunk, GradSource):
             raise TypeError(f"get_megatron_optimizer needs megatron_opt.DistributedDataParallel chunks, got "
                             f"{type(chunk).__name__}; wrap the model first.")
-        if chunk.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
+        if chunk.param_gather.use_distributed_optimizer != config.use_distributed_optimizer:
             raise InvalidConfigError(
                 f"OptimizerConfig.use_distributed_optimizer={config.use_distributed_optimizer} but the model was "
                 f"wrapped with DistributedDataParallelConfig.use_distributed_optimizer="
-                f"{chunk.ddp_config.use_distributed_optimizer}; set both the same."
+                f"{chunk.param_gather.use_distributed_optimizer}; set both the same."
             )
         megatron_core_call = megatron_core_call or getattr(chunk, "config", None) is not None
     _check_pg_collection(pg_collection, chunks)
@@ -138,7 +138,9 @@ def get_megatron_optimizer(
     dense_per_split = [[g for g in (groups if len(splits) == 1 else groups_of(split)) if not g["is_expert_parallel"]]
                        for split in splits]
     for i, chunk in enumerate(chunks):
-        if hasattr(chunk, "overlap_param_gather_with_optimizer_step"):  # megatron-core sets it on the chunks too
+        # megatron-core's protocol: the chunk learns that the step dispatches its all-gather (its
+        # ParamGather then decides what a plain start_param_sync() does).
+        if hasattr(chunk, "overlap_param_gather_with_optimizer_step"):
             chunk.overlap_param_gather_with_optimizer_step = bool(overlap_with_step and i == 0)
     if dump_param_to_param_group_map is not None:
         dumped = groups if len(splits) == 1 else [g for dense in dense_per_split for g in dense] + expert_groups

@@ -17,9 +17,9 @@ from typing import Any, Optional
 import torch
 
 from .. import ops
-from ..distributed.shard_view import GradSource
+from ..distributed.shard_view import GradSource, LocalShard, StatsRole
 from . import state_access
-from .shard_store import ShardStore
+from .shard_store import OwnedShard, ShardStore
 from .state_access import PieceState
 from .update_rules import UpdateRule
 
@@ -39,32 +39,16 @@ class OptimizerLeaf:
 
     def __init__(self, store: ShardStore) -> None:
         self.store = store
+        # What the store holds, as the driver and the state view read it (the same objects, never copies).
+        self.sources: list[GradSource] = store.sources
+        self.rule: UpdateRule = store.rule
+        self.param_groups: list[dict] = store.param_groups
+        self.step: torch.Tensor = store.step  # updates applied so far (an int64 device tensor)
+        self.is_expert_parallel: bool = store.is_expert_parallel
         self.backend = ops.resolve_backend(torch.empty(0, device=store.device))
         self.launch_plans = self._build_launch_plans()
         self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), store.device)
         self._inv_scale: dict[int, torch.Tensor] = {}  # id(unscale factor) -> unscale / loss scale, per step
-
-    # ----------------------------------------------------------------- what the store holds
-    @property
-    def sources(self) -> list[GradSource]:
-        return self.store.sources
-
-    @property
-    def rule(self) -> UpdateRule:
-        return self.store.rule
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.store.param_groups
-
-    @property
-    def step(self) -> torch.Tensor:
-        """Updates applied so far (an int64 device tensor)."""
-        return self.store.step
-
-    @property
-    def is_expert_parallel(self) -> bool:
-        return self.store.is_expert_parallel
 
     def _build_launch_plans(self) -> list[LaunchPlan]:
         members: dict[tuple, list] = {}
@@ -81,17 +65,18 @@ class OptimizerLeaf:
             for group in members.values()
         ]
 
-    def stats_groups(self) -> list[Optional[torch.distributed.ProcessGroup]]:
-        """The process groups the statistics, and every step decision, are summed over ([] on one rank;
-        [None] is the default group), as the shards' stats roles give them."""
-        for _, shard in self.store.published:
-            if shard.stats_role.groups:
-                return list(shard.stats_role.groups)
-        return []
+    # ----------------------------------------------------------------- declared views (the optimizer, verify mode)
+    def stats_roles(self) -> list[StatsRole]:
+        """The stats role of every published shard (shard_view.step_stats_groups decides the groups from them)."""
+        return [shard.stats_role for _, shard in self.store.published]
 
-    def stats_span_model_parallel(self) -> bool:
-        """True when the shards' statistics groups already reach every model-parallel peer."""
-        return any(shard.stats_role.spans_model_parallel for _, shard in self.store.published)
+    def published_shards(self) -> list[LocalShard]:
+        """Every shard the chunks published for this leaf, also those holding no piece on this rank."""
+        return [shard for _, shard in self.store.published]
+
+    def owned_shards(self) -> list[OwnedShard]:
+        """The optimizer's side of every shard holding pieces on this rank: masters, rule state, pieces."""
+        return list(self.store.shards)
 
     def replica_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The ranks holding replicas of these params (the data-parallel group; None: the default
@@ -132,6 +117,8 @@ class OptimizerLeaf:
                             backend=self.backend, found_inf=found_inf)
 
     def start_param_sync(self, force_sync: bool = False) -> None:
+        """The step's all-gather of this leaf's params: ``force_dispatch=True`` says the caller is the step,
+        which dispatches whatever the chunk's ParamGather says a plain call would do."""
         for source in self.sources:
             if source.local_shards(self.is_expert_parallel):
                 source.start_param_sync(force_sync=force_sync, force_dispatch=True,

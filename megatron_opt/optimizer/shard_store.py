@@ -19,8 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import collectives
-from ..distributed.shard_view import GradSource, LocalShard
+from ..distributed.shard_view import GradSource, LocalShard, with_tensor_parallel_rank
 from ..ops import precision
 from ..ops.piece_table import PieceTable
 from .param_groups import group_weight_decay
@@ -69,10 +68,9 @@ class ShardStore:
         self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
-        # The shards' stats roles carry the TP ranks DistributedDataParallel knows; an explicit
-        # tensor_parallel_group (megatron_opt's older keyword) overrides the dense one.
-        self.shards = self._build_shards(collectives.rank(tensor_parallel_group) if tensor_parallel_group is not None
-                                         else None)
+        # The shards' stats roles carry the TP ranks DistributedDataParallel knows; the older
+        # tensor_parallel_group keyword is translated into them by the shard view.
+        self.shards = self._build_shards(tensor_parallel_group)
 
     def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id(param) -> (name, param) for every param of the published shards."""
@@ -104,16 +102,17 @@ class ShardStore:
             raise ValueError(f"params missing from every param group: {missing[:5]}; give every trainable param a group.")
         return out
 
-    def _build_shards(self, tensor_parallel_rank: Optional[int]) -> list[OwnedShard]:
+    def _build_shards(self, tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> list[OwnedShard]:
         shards = []
         for source, shard in self.published:
             if not shard.pieces:
                 continue
             params = [shard.params[pc.param_index] for pc in shard.pieces]
+            role = with_tensor_parallel_rank(shard.stats_role, tensor_parallel_group)
             table = PieceTable(
                 starts=tuple(pc.shard_range.start for pc in shard.pieces),
                 ends=tuple(pc.shard_range.end for pc in shard.pieces),
-                in_norm=tuple(shard.stats_role.counts_in_norm(p, tensor_parallel_rank) for p in params),
+                in_norm=tuple(role.counts_in_norm(p) for p in params),
                 group=tuple(self._group_of[id(p)] for p in params),
                 numel=shard.numel,
             )

@@ -7,7 +7,7 @@ every param by its model-space key, and says which rule keeps which param. Check
 through this view only, so the two cannot disagree, and neither depends on the data-parallel layout.
 
     OptimizerStateView   what DistributedOptimizer and ChainedOptimizer implement
-    StateLeaf            what one leaf (a ShardGroup) offers the view
+    StateLeaf            what one leaf (an OptimizerLeaf) offers the view
     LeafView             one leaf, seen from outside: rule, pieces (with their chunk), groups, counter
     ParamEntry           one trainable param of the model chunks, with its key
     StateSlice           one state tensor of one owned piece, with its place in the param
@@ -26,7 +26,7 @@ MASTER = "master"
 
 
 class PieceView(Protocol):
-    """One owned param piece and views of its optimizer state (ShardGroup's PieceState)."""
+    """One owned param piece and views of its optimizer state (an OptimizerLeaf's PieceState)."""
 
     source: GradSource  # the model chunk
     name: str  # the param's name inside its model chunk
@@ -42,7 +42,7 @@ class PieceView(Protocol):
 
 
 class StateLeaf(Protocol):
-    """What a leaf of the optimizer (a ShardGroup) offers the view."""
+    """What a leaf of the optimizer (an OptimizerLeaf) offers the view."""
 
     rule: UpdateRule
     is_expert_parallel: bool

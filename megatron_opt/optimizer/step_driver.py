@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch.profiler import record_function
 
-from ..distributed.shard_view import GradSource
+from ..distributed.shard_view import GradSource, gathers_in_graph
 from .. import collectives
 from ..errors import RankError, StepOrderError
 from . import phase_timers
@@ -206,7 +206,7 @@ class StepDriver:
 
     def _start_param_sync(self, leaves: Sequence[Leaf], timed: bool = True) -> None:
         # Without the distributed optimizer every rank updated every param: there is nothing to gather.
-        gathers = timed and any(src.ddp_config.use_distributed_optimizer for src in self.sources)
+        gathers = timed and any(src.param_gather.use_distributed_optimizer for src in self.sources)
         with phase_timers.phase(self.config, "megatron_opt.param_sync", phase_timers.PARAM_SYNC if gathers else None):
             for leaf in leaves:
                 leaf.start_param_sync()
@@ -337,9 +337,7 @@ class StepDriver:
 
     # ----------------------------------------------------------------- optimizer_cuda_graph: no host read
     def _param_sync_in_graph(self) -> bool:
-        # Asynchronous all-gathers (overlap_param_gather) are waited by forward pre-hooks: dispatched
-        # after the graph, not captured in it.
-        return not any(src.ddp_config.overlap_param_gather for src in self.sources)
+        return gathers_in_graph([src.param_gather for src in self.sources])
 
     def _device_core(self) -> None:
         """Everything after the gradient sync, as device work only (what the graph captures). Inputs

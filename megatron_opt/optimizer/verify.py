@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from .. import collectives
+from ..distributed.shard_view import LocalShard
 from ..errors import UnsupportedConfigError, VerificationError
 from ..ops import precision
 from .float64_update import Float64Inputs, Float64Update
@@ -295,10 +296,22 @@ def unchanged_findings(shards: Sequence[OwnedShard], copies: Sequence[_ShardCopy
 
 
 # ---------------------------------------------------------------------------------------------- the verifier
+class VerifiedLeaf(Protocol):
+    """What verify mode reads of a leaf (OptimizerLeaf's declared views), and nothing else."""
+
+    rule: UpdateRule
+    step: torch.Tensor
+    param_groups: list[dict]
+
+    def owned_shards(self) -> list[OwnedShard]: ...
+
+    def published_shards(self) -> list[LocalShard]: ...
+
+
 class StepVerifier:
     """Verify mode for one StepDriver: begin() before the step, finish() after it."""
 
-    def __init__(self, leaves: Sequence[Any], interval: int, action: str,
+    def __init__(self, leaves: Sequence[VerifiedLeaf], interval: int, action: str,
                  groups: Sequence[Optional[torch.distributed.ProcessGroup]]) -> None:
         self.leaves = list(leaves)
         self.interval = interval
@@ -312,7 +325,7 @@ class StepVerifier:
         self._last_findings: tuple[Finding, ...] = ()
 
     @staticmethod
-    def from_config(leaves: Sequence[Any], config: Any,
+    def from_config(leaves: Sequence[VerifiedLeaf], config: Any,
                     groups: Sequence[Optional[torch.distributed.ProcessGroup]]) -> Optional["StepVerifier"]:
         interval = int(getattr(config, "verify_interval", 0) or 0)
         if interval <= 0:
@@ -330,7 +343,7 @@ class StepVerifier:
         if self._calls % self.interval:
             return None
         for src in sources:  # the params as the forward used them: no all-gather still in flight
-            if src.ddp_config.overlap_param_gather:
+            if src.param_gather.overlap_param_gather:
                 src.finish_param_sync()
         rank = _rank()
         findings: list[Finding] = []
@@ -338,7 +351,7 @@ class StepVerifier:
         def replica(name: str, at: int, abs_diff: float, rel_diff: float, detail: str) -> None:
             findings.append(Finding("replica", name, at, abs_diff, rel_diff, detail))
 
-        published = [shard for leaf in self.leaves for _, shard in leaf.store.published]
+        published = [shard for leaf in self.leaves for shard in leaf.published_shards()]
         for group, shards in mismatched_buckets(published, self._checksums):
             localise(group, shards, self._checksums, replica)
         # Tensor parallelism: the copies of replicated params on the TP peers must be equal too.
@@ -346,10 +359,10 @@ class StepVerifier:
         for group, shards in mismatched_buckets(published, self._checksums, **tp):
             localise(group, shards, self._checksums, replica, keep=replicated_across_tensor_parallel)
         for leaf in self.leaves:
-            findings += cast_findings(leaf.store.shards, rank)
+            findings += cast_findings(leaf.owned_shards(), rank)
         return _Pending(self._calls, findings, loss_scale.detach().double().clone(),
                         [leaf.step.clone() for leaf in self.leaves],
-                        [[_snapshot(s) for s in leaf.store.shards] for leaf in self.leaves])
+                        [[_snapshot(s) for s in leaf.owned_shards()] for leaf in self.leaves])
 
     def finish(self, pending: _Pending, skipped: torch.Tensor, grad_norm: torch.Tensor, clip_grad: float) -> None:
         """After the step: check the update (or that a skipped step changed nothing), agree with every
@@ -368,14 +381,14 @@ class StepVerifier:
                                         f"the update counter is {int(leaf.step.reshape(-1)[0])}, expected "
                                         f"{expected_step}"))
             if not applied:
-                findings += unchanged_findings(leaf.store.shards, copies, rank)
+                findings += unchanged_findings(leaf.owned_shards(), copies, rank)
                 continue
             contexts = [_UpdateContext(recompute, leaf.param_groups, expected_step,
                                        s.shard.unscale_factor.reshape(()).double() / pending.loss_scale.reshape(())
                                        * clip.to(s.master.device),
                                        bool(getattr(leaf.rule, "stochastic_rounding", False)))
-                        for s in leaf.store.shards]
-            findings += update_findings(leaf.store.shards, copies, contexts, rank)
+                        for s in leaf.owned_shards()]
+            findings += update_findings(leaf.owned_shards(), copies, contexts, rank)
         agreed = self._agree(findings)
         self._verified += 1
         self._last_verified = pending.call

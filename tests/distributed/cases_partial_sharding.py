@@ -93,7 +93,7 @@ def run_partial_parity(precision: str, k: int, overlap: bool, grad_fp32: bool = 
 
 
 def _snapshot(model: torch.nn.Module, opt) -> dict:
-    state = {n: t.detach().clone() for n, t in opt.shard_group.state_tensors().items()}
+    state = {n: t.detach().clone() for n, t in opt.leaf.state_tensors().items()}
     return {"params": flat_params(model).clone(), "state": state}
 
 

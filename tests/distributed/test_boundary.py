@@ -44,6 +44,29 @@ def test_optimizer_imports_only_the_shard_view_from_distributed():
     assert not offenders, offenders
 
 
+GRAD_SOURCE = {"param_gather", "step_id", "grads_received", "local_shards", "finish_grad_sync", "start_param_sync",
+               "finish_param_sync"}
+
+
+def _attribute_reads(folder: str) -> list[tuple[str, int, str]]:
+    """(file, line, attribute name) of every attribute read in the package folder's modules."""
+    return [(path.name, node.lineno, node.attr) for path in sorted((PACKAGE / folder).glob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)]
+
+
+def test_the_optimizer_knows_a_chunk_only_through_the_grad_source_protocol():
+    """The protocol is the declared calls plus typed facts (ParamGather), never the chunk's whole DDP config;
+    verify mode reads a leaf through its declared views, never its store; which groups sum the statistics
+    is left to the shard view's functions (no optimizer module reads a stats role's groups)."""
+    assert {n for n in vars(mo.GradSource) if not n.startswith("_")} == GRAD_SOURCE
+    reads = _attribute_reads("optimizer")
+    offenders = [f"{f}:{line} reads .{attr}" for f, line, attr in reads
+                 if attr in ("ddp_config", "spans_model_parallel") or (f == "verify.py" and attr == "store")]
+    assert not offenders, offenders
+    ddp, _ = build(TinyLM())
+    assert isinstance(ddp.param_gather, mo.ParamGather) and ddp.param_gather.use_distributed_optimizer
+
+
 def test_local_shards_are_frozen_views_of_the_buffers():
     ddp, _ = build(TinyLM(torch.bfloat16))
     shards = ddp.local_shards()

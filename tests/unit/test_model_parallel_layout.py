@@ -1,4 +1,4 @@
-"""Model-parallel worlds as pure math (megatron_opt.distributed.parallel_layout, stats_role.element_counts).
+"""Model-parallel worlds as pure math (tests/support/parallel_layout.py, stats_role.element_counts).
 
 For random (TP, PP, VPP, DP, CP, instances, EP, expert-TP) that fit in 8 ranks: megatron-core's rank
 order, every element of every param owned by exactly one rank of each (expert) DP instance under the
@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_opt.distributed.parallel_layout import (
+from parallel_layout import (
     ModelDims,
     OwnedElements,
     ParallelSizes,
@@ -27,7 +27,8 @@ from megatron_opt.distributed.parallel_layout import (
     rank_coordinates,
     world_counts,
 )
-from megatron_opt.distributed.stats_role import StatsRole, element_counts, param_counts_in_norm, shard_counts
+from megatron_opt.distributed.stats_role import (StatsRole, chain_stats_groups, element_counts, param_counts_in_norm,
+                                                 shard_counts, stats_span_model_parallel, step_stats_groups)
 
 WORLD = 8
 
@@ -255,6 +256,21 @@ def test_shard_counts():
     assert not shard_counts(sharded=True, group_rank=0, instance_rank=1)
     assert shard_counts(sharded=False, group_rank=0, instance_rank=0)
     assert not shard_counts(sharded=False, group_rank=1, instance_rank=0)
+
+
+def test_the_stats_groups_have_one_owner():
+    """stats_role decides which groups a step sums over, the older model_parallel_group and
+    grad_stats_group keywords included (the groups are only passed through: stand-ins do)."""
+    dp, mp, chain = object(), object(), object()
+    plain, spanning = StatsRole((dp,), True), StatsRole((None,), True, spans_model_parallel=True)
+    assert step_stats_groups([StatsRole((), False), plain]) == [dp]  # the first role that has groups
+    assert step_stats_groups([plain], mp) == [dp, mp]
+    assert step_stats_groups([spanning], mp) == [None]  # the chunks' groups already reach every rank
+    assert step_stats_groups([StatsRole((), True)], mp) == [mp]  # one data-parallel rank
+    assert step_stats_groups([StatsRole((), True)]) == []
+    assert chain_stats_groups() == [None] and chain_stats_groups(chain) == [chain]
+    assert stats_span_model_parallel([plain], mp) and stats_span_model_parallel([spanning])
+    assert not stats_span_model_parallel([plain])
 
 
 def test_every_layout_in_8_ranks_counts_each_element_once():

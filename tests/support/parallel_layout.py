@@ -1,4 +1,7 @@
-"""A pure model of a model-parallel world: rank coordinates, a synthetic model, shard ownership and
+"""(A test model, not part of the package: the property tests in tests/unit/test_model_parallel_layout.py
+compose the package's real layout and counting rule through it.)
+
+A pure model of a model-parallel world: rank coordinates, a synthetic model, shard ownership and
 the gradient-statistics count. No tensors, no process groups.
 
 Why: with tensor, pipeline, context and expert parallelism, the gradient norm is right only if every
@@ -20,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from ..errors import InvalidConfigError
-from .layout import BufferLayout, PartialSharding, build_buffer_layout, partial_sharding
-from .stats_role import element_counts
+from megatron_opt.distributed.layout import BufferLayout, PartialSharding, build_buffer_layout, partial_sharding
+from megatron_opt.distributed.stats_role import element_counts
+from megatron_opt.errors import InvalidConfigError
 
 RANK_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default; the first token varies fastest
 
