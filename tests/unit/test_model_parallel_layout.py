@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from parallel_layout import (
+from tests.support.parallel_layout import (
     ModelDims,
     OwnedElements,
     ParallelSizes,
@@ -188,31 +188,6 @@ def test_a_broken_rule_is_caught_wherever_it_matters(world):
 
 
 # ------------------------------------------------------------------------------------------------ rank order
-def test_rank_order_matches_megatron_core():
-    ps = pytest.importorskip("megatron.core.parallel_state")
-    for sizes, mask in [([2, 1, 1, 2, 2], [False, True, False, True, False]), ([2, 2, 1, 2, 1], [True] * 5),
-                        ([1, 2, 2, 2, 1], [False, False, True, False, True]), ([2, 3, 1, 1, 2], [True, False] * 2 + [True])]:
-        world = 1
-        for s in sizes:
-            world *= s
-        assert orthogonal_rank_groups(sizes, mask) == ps.generate_masked_orthogonal_rank_groups(world, sizes, mask)
-    sizes = ParallelSizes(tp=2, pp=2, dp=2, ep=2, expert_tp=1)
-    dense = ps.RankGenerator(tp=2, ep=1, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
-    expert = ps.RankGenerator(tp=1, ep=2, dp=2, pp=2, cp=1, order="tp-cp-ep-dp-pp")
-    coords = rank_coordinates(sizes)
-    for token, field in [("tp", "tp"), ("dp", "dp"), ("pp", "pp")]:
-        for g in dense.get_ranks(token):
-            others = [f for f in ("tp", "dp", "pp") if f != field]
-            assert [getattr(coords[r], field) for r in g] == list(range(len(g)))
-            assert len({tuple(getattr(coords[r], f) for f in others) for r in g}) == 1
-    for g in expert.get_ranks("dp"):
-        assert all(coords[r].expert_dp_ranks == tuple(g) for r in g)
-    for g in expert.get_ranks("ep"):
-        assert [coords[r].ep for r in g] == list(range(len(g)))
-    for g in dense.get_ranks("dp-cp"):
-        assert all(coords[r].dp_cp_ranks == tuple(g) for r in g)
-
-
 def test_coordinates_by_hand():
     # TP2 x DP2 x PP2, EP2 with expert TP 1: expert DP = 8 / (1 * 2 * 2) = 2.
     coords = rank_coordinates(ParallelSizes(tp=2, pp=2, dp=2, ep=2, expert_tp=1))
