@@ -7,7 +7,6 @@ from pathlib import Path
 
 UNIT = Path(__file__).resolve().parent
 IMPORTERS = {"importorskip", "import_module", "__import__"}  # pytest.importorskip, importlib.import_module
-# Still to move to tests/mcore (test_rank_order_matches_megatron_core); remove the entry once moved.
 
 
 def _is_megatron_core(name: str) -> bool:
