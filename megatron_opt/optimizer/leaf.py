@@ -21,7 +21,7 @@ from ..distributed.shard_view import GradSource
 from . import state_access
 from .shard_store import ShardStore
 from .state_access import PieceState
-from .update_rules import UpdateRule
+from .rules.base import UpdateRule
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class OptimizerLeaf:
             if id(lp.unscale_factor) not in self._inv_scale:
                 self._inv_scale[id(lp.unscale_factor)] = lp.unscale_factor / loss_scale
             if lp.counts_stats:
-                ops.grad_stats_planned(lp.step_plan, self._inv_scale[id(lp.unscale_factor)], stats[: ops.NUM_STATS],
+                ops.grad_stats(lp.step_plan, self._inv_scale[id(lp.unscale_factor)], stats[: ops.NUM_STATS],
                                        count_zeros, backend=self.backend)
 
     def stage_hyperparams(self) -> torch.Tensor:

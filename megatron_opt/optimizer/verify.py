@@ -36,7 +36,7 @@ from .float64_update import Float64Inputs, Float64Update
 from .replica_check import (Checksums, localise, mismatched_buckets, replicated_across_tensor_parallel,
                             tensor_parallel_group)
 from .shard_store import OwnedShard
-from .update_rules import UpdateRule
+from .rules.base import UpdateRule
 
 logger = logging.getLogger("megatron_opt")
 
