@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Sequence
 
 import torch
 
+from .common import gaps_kept, update_span
 from .operand_checks import check_scalar, check_update_operands
 from .piece_table import PieceTable
 
@@ -73,11 +74,30 @@ class UpdateArgs:
 
     def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
         """Pass 2 on one shard with torch ops: the behavioural spec every other backend matches."""
-        raise NotImplementedError(f"{type(self).__name__} has no reference implementation")
+        self._over_span(shard, lr_wd, self.reference_span)
 
     def cpu(self, shard: ShardOperands, lr_wd: LrWd) -> None:
-        """Pass 2 on one CPU shard (default: the reference)."""
-        self.reference(shard, lr_wd)
+        """Pass 2 on one CPU shard (``cpu_span``)."""
+        self._over_span(shard, lr_wd, self.cpu_span)
+
+    def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
+        """The rule's torch ops over elements [a, b) of the shard (the span of its pieces, gaps
+        included: their elements are put back afterwards); ``lr_wd`` indexed by the table's group ids."""
+        raise NotImplementedError(f"{type(self).__name__} has no reference implementation")
+
+    def cpu_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
+        """A faster CPU version of ``reference_span`` (default: the reference itself)."""
+        self.reference_span(shard, lr_wd, a, b)
+
+    def _over_span(self, shard: ShardOperands, lr_wd: LrWd, run: Callable[[ShardOperands, LrWd, int, int], None]
+                   ) -> None:
+        """``run`` over the span of the shard's pieces, unless there is none or ``found_inf`` is set; the
+        torch ops sweep whole runs, so the gap elements of every output are put back afterwards."""
+        span = update_span(shard, self)
+        if span is None:
+            return
+        with gaps_kept(shard.table, shard.master, *shard.state, shard.param_out):
+            run(shard, lr_wd, *span)
 
     def check(self, plan: "StepPlan") -> None:
         """The operand checks before a CUDA launch: each shard's tensors by name (once per plan) and the

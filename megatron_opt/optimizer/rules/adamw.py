@@ -21,7 +21,6 @@ import torch
 
 from ... import ops
 from ...ops import precision
-from ...ops.common import gaps_kept, update_span
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.operand_checks import check_scalar
 from ...ops.precision import KERNEL_MOMENT_PAIRS, dtype_names
@@ -46,41 +45,31 @@ class AdamWStep(UpdateArgs):
     eps: float
     stochastic_rounding: bool = False
 
-    def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
-        """``lr_wd`` is indexed by the table's group ids. ``param_out`` (model dtype) receives the rounded
-        master; it is None when the master aliases an fp32 param."""
-        span = update_span(shard, self)
-        if span is None:
-            return
-        a, b = span
+    def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
+        """``param_out`` (model dtype) receives the rounded master; it is None when the master aliases an
+        fp32 param."""
         master, param_out, exp_avg, exp_avg_sq = shard.master, shard.param_out, shard.state[0], shard.state[1]
         lr, weight_decay, beta1, beta2, step = lr_wd.lr, lr_wd.weight_decay, self.beta1, self.beta2, self.step
-        stochastic_rounding = self.stochastic_rounding
-        with gaps_kept(shard.table, master, exp_avg, exp_avg_sq, param_out):
-            g = shard.grad[a:b].float() * self.grad_scale  # a new tensor: never scale the persistent grad buffer
-            m, v = exp_avg[a:b].float(), exp_avg_sq[a:b].float()  # .float() of fp32 is the tensor itself
-            w = precision.load_master(master[a:b], None if param_out is None else param_out[a:b])
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            t = step.double().reshape(())
-            bias_correction1 = 1 - beta1**t
-            bias_correction2_sqrt = (1 - beta2**t).sqrt()
-            update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(self.eps)
-            for s, e, gid in shard.table.group_runs():
-                w_run = w[s - a : e - a]
-                decay = lr[gid] * weight_decay[gid]
-                if decay != 0:
-                    w_run.mul_(1 - decay)
-                w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
-            self._store_moments(m, v, exp_avg, exp_avg_sq, a, b)
-            precision.store_master(w, master[a:b], None if param_out is None else param_out[a:b])
+        g = shard.grad[a:b].float() * self.grad_scale  # a new tensor: never scale the persistent grad buffer
+        m, v = exp_avg[a:b].float(), exp_avg_sq[a:b].float()  # .float() of fp32 is the tensor itself
+        w = precision.load_master(master[a:b], None if param_out is None else param_out[a:b])
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t = step.double().reshape(())
+        bias_correction1 = 1 - beta1**t
+        bias_correction2_sqrt = (1 - beta2**t).sqrt()
+        update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(self.eps)
+        for s, e, gid in shard.table.group_runs():
+            w_run = w[s - a : e - a]
+            decay = lr[gid] * weight_decay[gid]
+            if decay != 0:
+                w_run.mul_(1 - decay)
+            w_run.sub_(update[s - a : e - a] * (lr[gid] / bias_correction1).float())
+        self._store_moments(m, v, exp_avg, exp_avg_sq, a, b)
+        precision.store_master(w, master[a:b], None if param_out is None else param_out[a:b])
 
-    def cpu(self, shard: ShardOperands, lr_wd: LrWd) -> None:
+    def cpu_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         """torch._fused_adamw_ (one fused loop per param group) on a scaled copy of the gradient."""
-        span = update_span(shard, self)
-        if span is None:
-            return
-        a, b = span
         g = shard.grad[a:b].float() * self.grad_scale  # a new tensor: the grad buffer is never written
         step_f = self.step.to(torch.float32).reshape(())
         by_group: dict[int, list] = {}
@@ -88,19 +77,18 @@ class AdamWStep(UpdateArgs):
             by_group.setdefault(gid, []).append((s - a, e - a))
         master, param_out, exp_avg, exp_avg_sq = shard.master, shard.param_out, shard.state[0], shard.state[1]
         po = None if param_out is None else param_out[a:b]
-        with gaps_kept(shard.table, master, exp_avg, exp_avg_sq, param_out):
-            # 16-bit state: torch's fused loop needs fp32 params and state, so it runs on widened
-            # copies (views when already fp32), which are rounded back once afterwards.
-            w, m, v = precision.load_master(master[a:b], po), exp_avg[a:b].float(), exp_avg_sq[a:b].float()
-            for gid, runs in by_group.items():
-                torch._fused_adamw_(
-                    [w[s:e] for s, e in runs], [g[s:e] for s, e in runs], [m[s:e] for s, e in runs],
-                    [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr_wd.lr[gid]), beta1=self.beta1,
-                    beta2=self.beta2, weight_decay=float(lr_wd.weight_decay[gid]), eps=self.eps, amsgrad=False,
-                    maximize=False,
-                )
-            self._store_moments(m, v, exp_avg, exp_avg_sq, a, b)
-            precision.store_master(w, master[a:b], po)
+        # 16-bit state: torch's fused loop needs fp32 params and state, so it runs on widened
+        # copies (views when already fp32), which are rounded back once afterwards.
+        w, m, v = precision.load_master(master[a:b], po), exp_avg[a:b].float(), exp_avg_sq[a:b].float()
+        for gid, runs in by_group.items():
+            torch._fused_adamw_(
+                [w[s:e] for s, e in runs], [g[s:e] for s, e in runs], [m[s:e] for s, e in runs],
+                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr_wd.lr[gid]), beta1=self.beta1,
+                beta2=self.beta2, weight_decay=float(lr_wd.weight_decay[gid]), eps=self.eps, amsgrad=False,
+                maximize=False,
+            )
+        self._store_moments(m, v, exp_avg, exp_avg_sq, a, b)
+        precision.store_master(w, master[a:b], po)
 
     def _store_moments(self, m: torch.Tensor, v: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                        a: int, b: int) -> None:

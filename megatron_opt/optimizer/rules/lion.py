@@ -13,7 +13,6 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ... import ops
-from ...ops.common import gaps_kept, update_span
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
 from ..float64_update import Float64Inputs, Float64Update, rounding_bound
@@ -30,25 +29,20 @@ class LionStep(UpdateArgs):
     beta1: float
     beta2: float
 
-    def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
-        span = update_span(shard, self)
-        if span is None:
-            return
-        a, b = span
+    def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         lr, weight_decay, param_out = lr_wd.lr, lr_wd.weight_decay, shard.param_out
-        with gaps_kept(shard.table, shard.master, shard.state[0], param_out):
-            g = shard.grad[a:b].float() * self.grad_scale
-            m, w = shard.state[0][a:b], shard.master[a:b]
-            direction = m.lerp(g, 1 - self.beta1).sign_()
-            for s, e, gid in shard.table.group_runs():
-                w_run = w[s - a : e - a]
-                decay = lr[gid] * weight_decay[gid]
-                if decay != 0:
-                    w_run.mul_(1 - decay)
-                w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
-            m.lerp_(g, 1 - self.beta2)
-            if param_out is not None:
-                param_out[a:b].copy_(w)
+        g = shard.grad[a:b].float() * self.grad_scale
+        m, w = shard.state[0][a:b], shard.master[a:b]
+        direction = m.lerp(g, 1 - self.beta1).sign_()
+        for s, e, gid in shard.table.group_runs():
+            w_run = w[s - a : e - a]
+            decay = lr[gid] * weight_decay[gid]
+            if decay != 0:
+                w_run.mul_(1 - decay)
+            w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
+        m.lerp_(g, 1 - self.beta2)
+        if param_out is not None:
+            param_out[a:b].copy_(w)
 
     def check(self, plan: StepPlan) -> None:
         if len(plan.state_dtypes) != 1:

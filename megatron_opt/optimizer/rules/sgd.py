@@ -9,7 +9,6 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from ... import ops
-from ...ops.common import gaps_kept, update_span
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
 from ..float64_update import Float64Inputs, Float64Update, rounding_bound
@@ -26,34 +25,31 @@ class SGDStep(UpdateArgs):
     momentum: float
     nesterov: bool = False
 
-    def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
-        span = update_span(shard, self)
-        if span is None:
-            return
-        a, b = span
+    def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         momentum, table, param_out = self.momentum, shard.table, shard.param_out
-        momentum_buffer = shard.state[0] if shard.state else None
-        if momentum != 0 and momentum_buffer is None:
-            raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
         lr, weight_decay = lr_wd.lr, lr_wd.weight_decay
-        with gaps_kept(table, shard.master, momentum_buffer if momentum != 0 else None, param_out):
-            g = shard.grad[a:b].float() * self.grad_scale
-            w = shard.master[a:b]
-            for s, e, gid in table.group_runs():
-                sl = slice(s - a, e - a)
-                if weight_decay[gid] != 0:
-                    g[sl].add_(w[sl], alpha=weight_decay[gid])
-            if momentum != 0:
-                buf = momentum_buffer[a:b]
-                buf.mul_(momentum).add_(g)
-                direction = g.add(buf, alpha=momentum) if self.nesterov else buf
-            else:
-                direction = g
-            for s, e, gid in table.group_runs():
-                sl = slice(s - a, e - a)
-                w[sl].sub_(direction[sl], alpha=lr[gid])
-            if param_out is not None:
-                param_out[a:b].copy_(w)
+        g = shard.grad[a:b].float() * self.grad_scale
+        w = shard.master[a:b]
+        for s, e, gid in table.group_runs():
+            sl = slice(s - a, e - a)
+            if weight_decay[gid] != 0:
+                g[sl].add_(w[sl], alpha=weight_decay[gid])
+        if momentum != 0:
+            buf = shard.state[0][a:b]
+            buf.mul_(momentum).add_(g)
+            direction = g.add(buf, alpha=momentum) if self.nesterov else buf
+        else:
+            direction = g
+        for s, e, gid in table.group_runs():
+            sl = slice(s - a, e - a)
+            w[sl].sub_(direction[sl], alpha=lr[gid])
+        if param_out is not None:
+            param_out[a:b].copy_(w)
+
+    def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
+        if self.momentum != 0 and not shard.state:
+            raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
+        super().reference(shard, lr_wd)
 
     def check(self, plan: StepPlan) -> None:
         if len(plan.state_dtypes) > 1 or (self.momentum != 0 and not plan.state_dtypes):
