@@ -362,14 +362,16 @@ def _kernels():
 
 
 def _c_args(dev, codes: dict, stochastic=True):
-    """Arguments of the compiled adamw_step with the given dtype codes (tables and scalars on ``dev``)."""
+    """Arguments of the compiled pass 2 of "adamw_step" with the given dtype codes (tables and scalars on
+    ``dev``)."""
     base = dict(grad_code=1, param_code=1, master_code=0, state0_code=1, state1_code=1)
     base.update(codes)
     ptrs = torch.zeros(1, 5, dtype=torch.int64, device=dev)
     chunks = torch.zeros(0, 4, dtype=torch.int64, device=dev)
-    return (ptrs, chunks, base["grad_code"], base["param_code"], base["master_code"], base["state0_code"],
-            base["state1_code"], torch.zeros(1, 2, dtype=torch.float64, device=dev), torch.ones(1, device=dev), 1.0,
-            torch.ones(1, dtype=torch.int64, device=dev), BETA1, BETA2, EPS, None, stochastic)
+    return ("adamw_step", ptrs, chunks, base["grad_code"], base["param_code"], base["master_code"],
+            base["state0_code"], base["state1_code"], torch.zeros(1, 2, dtype=torch.float64, device=dev),
+            torch.ones(1, device=dev), None, torch.ones(1, dtype=torch.int64, device=dev), stochastic,
+            [BETA1, BETA2, EPS])
 
 
 BAD_CODES = [
@@ -391,7 +393,7 @@ def test_compiled_module_checks_the_codes(wrapper, codes, message):
     """The code checks come first, so they answer the same on CPU tensors and on a GPU."""
     _, dev = wrapper
     with pytest.raises(RuntimeError, match=message):
-        _kernels().adamw_step(*_c_args(dev, codes))
+        _kernels().pass2(*_c_args(dev, codes))
 
 
 @needs_ext
@@ -401,18 +403,18 @@ def test_compiled_module_checks_the_codes(wrapper, codes, message):
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_compiled_module_accepts_the_valid_codes(codes, stochastic):
     """Valid codes pass the code checks and stop at the device check (CPU tensors): the signature
-    (16 arguments, the stochastic flag last) matches the binding."""
+    (14 arguments, the rule's constants last) matches the binding."""
     with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-        _kernels().adamw_step(*_c_args(torch.device("cpu"), codes, stochastic))
+        _kernels().pass2(*_c_args(torch.device("cpu"), codes, stochastic))
 
 
 class _RecordingC:
-    """Stands in for the compiled module (``ops.cuda.kernels``): records the adamw_step arguments."""
+    """Stands in for the compiled module (``ops.cuda.kernels``): records the pass-2 arguments."""
 
     def __init__(self):
         self.calls = []
 
-    def adamw_step(self, *args):
+    def pass2(self, *args):
         self.calls.append(args)
 
 
@@ -433,9 +435,10 @@ def test_wrapper_passes_master_state_codes_and_flag(monkeypatch, master, pair, s
     a = rec.calls[0]
     mdtype, pdtype = MASTERS[master]
     codes = {FP32: 0, BF16: 1, FP16: 2}
-    assert a[2:7] == (2, -1 if pdtype is None else codes[pdtype], {FP32: 0, FP16: 2, torch.int16: 3}[mdtype],
+    assert a[0] == "adamw_step"
+    assert a[3:8] == (2, -1 if pdtype is None else codes[pdtype], {FP32: 0, FP16: 2, torch.int16: 3}[mdtype],
                       codes[pair[0]], codes[pair[1]])
-    assert a[15] is stochastic and a[9] == 1.0
+    assert a[12] is stochastic and a[13] == [BETA1, BETA2, EPS]
     assert_bitwise(s, before, "the recorder writes nothing")
 
 
@@ -508,7 +511,7 @@ def test_wrapper_validates_precision_aware_dtypes(wrapper):
     with pytest.raises(TypeError, match="AdamW only, Lion takes float32"):
         front.lion_step_planned(plan16, lr_wd=lr_wd, grad_scale=one, beta1=BETA1, beta2=BETA2, backend=backend)
     plan_rem = ops.StepPlan((ops.ShardOperands(table, z(), z(torch.int16), (z(),), z(BF16)),))
-    with pytest.raises(TypeError, match="master dtype torch.int16"):
+    with pytest.raises(TypeError, match="master (has )?dtype torch.int16"):
         front.sgd_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, momentum=0.9, backend=backend)
     with pytest.raises(ValueError, match="two states"):
         front.adamw_step_planned(plan_rem, lr_wd=lr_wd, grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS,
