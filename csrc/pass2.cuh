@@ -20,7 +20,7 @@
 //   * if found_inf is given and nonzero (NaN counts as nonzero) every block returns before touching
 //     memory, so all state is left bitwise unchanged.
 // The fp32 arithmetic of each rule mirrors the reference's sequence of torch ops, each rounded once
-// (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track ops.reference.
+// (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track the rule's reference op.
 #pragma once
 
 #include "common.cuh"

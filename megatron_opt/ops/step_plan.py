@@ -218,4 +218,5 @@ class DeviceHyperparams:
         return self.table
 
 
-__all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "host_lr_wd", "DeviceHyperparams"]
+__all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "host_lr_wd",
+           "DeviceHyperparams"]

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import megatron_opt.ops as ops
 import front
 from megatron_opt.ops.piece_table import PieceTable
 
