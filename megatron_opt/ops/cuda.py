@@ -52,8 +52,12 @@ def grad_stats(plan: StepPlan, args: StatsArgs) -> None:
     """Pass 1 over every shard of ``plan``: one launch plus a one-block reduction."""
     op = "grad_stats"
     device = cuda_device(op, plan.shards[0].grad)
-    for s in plan.shards:
-        check_flat(f"{op}: grad", s.grad, device, s.table.numel, FLOAT_DTYPES)
+
+    def grads() -> None:
+        for s in plan.shards:
+            check_flat(f"{op}: grad", s.grad, device, s.table.numel, FLOAT_DTYPES)
+
+    plan.check_once(op, grads)  # the plan's tensors never change: checked once
     check_scalar(f"{op}: inv_scale", args.inv_scale, device, torch.float32)
     check_stats(op, args.stats, device)
     if not plan.num_chunks:

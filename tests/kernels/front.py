@@ -20,7 +20,8 @@ _CACHE = 8
 
 def _plan(shard: ops.ShardOperands, update: bool = True) -> ops.StepPlan:
     arrays = (shard.grad, shard.master, *shard.state, shard.param_out)
-    key = ("plan", update, tuple(None if t is None else (t.data_ptr(), t.dtype, t.numel(), t.device) for t in arrays))
+    key = ("plan", update, tuple(None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+                                 for t in arrays))
     return shard.table.memo("one_shard", key, lambda: ops.StepPlan((shard,), update=update), max_entries=_CACHE)
 
 
