@@ -36,14 +36,15 @@ def _want_cuda_build() -> bool:
     if not (shutil.which("nvcc") or os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))):
         print("megatron_opt: nvcc not found; installing the pure-Python package (reference ops).")
         return False
-    return bool(glob.glob("csrc/*.cu"))
+    return bool(glob.glob("csrc/**/*.cu", recursive=True))
 
 
 ext_modules, cmdclass = [], {}
 if _want_cuda_build():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
-    sources = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/*.cu"))
+    # csrc/rules/<rule>.cu: one kernel file per update rule, each registering itself (csrc/pass2_registry.h).
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True)) + sorted(glob.glob("csrc/**/*.cu", recursive=True))
     ext_modules = [
         CUDAExtension(
             "megatron_opt._C",

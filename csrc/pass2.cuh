@@ -1,4 +1,5 @@
-// The pass-2 (optimizer update) kernel shared by adamw*.cu, sgd.cu and lion.cu.
+// The pass-2 (optimizer update) kernel every elementwise rule shares (csrc/rules/<rule>.cu), and its
+// generic host side: argument checks, dtype dispatch and the registration of a rule's launcher by name.
 //
 // One launch covers every chunk of a step plan (see common.cuh), one block per chunk. A rule supplies
 // its per-element math; this file walks the chunk (scalar head, 16-byte vector body, scalar tail),
@@ -8,33 +9,38 @@
 //     of the bf16 param_out (which is then read too), each state slot fp32 / bf16 / fp16. Each element
 //     is widened to fp32, updated, and rounded once on store (nearest even, or stochastically for bf16
 //     slots when the launch passes the device step for the hash): one pass, no fp32 copies. The vector
-//     body moves packs of VEC elements of every array in its own storage type. SGD and Lion are
-//     instantiated for fp32 master and state only (run_pass2), AdamW for every master storage and the
+//     body moves packs of VEC elements of every array in its own storage type. A rule with
+//     kPrecisionAware = false (SGD, Lion) is instantiated for fp32 master and state only
+//     (run_pass2_fp32), one with kPrecisionAware = true (AdamW) for every master storage and the
 //     state pairs of supported_state_pair (run_pass2_master).
 //   * lr and weight decay come from a float64 device table [ngroups, 2] (lr, wd) that the optimizer
 //     updates in place, so a captured CUDA graph replays the current values.
-//   * grad_scale (inv loss scale times DP pre-scale) is a device scalar; clip_coef multiplies it
-//     (one fp32 rounding, as the reference's grad_scale * clip_coef).
+//   * grad_scale is the step's one gradient multiplier (unscale factor / loss scale, times the clip
+//     coefficient), a device scalar the optimizer computed: the kernel reads it as is.
 //   * if found_inf is given and nonzero (NaN counts as nonzero) every block returns before touching
 //     memory, so all state is left bitwise unchanged.
 // The fp32 arithmetic of each rule mirrors the reference's sequence of torch ops, each rounded once
-// (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track ops.reference.
+// (explicit __f*_rn intrinsics keep nvcc from fusing them), so results track the rule's reference op.
 #pragma once
 
 #include "common.cuh"
+#include "pass2_registry.h"
 #include "precision.cuh"
 
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace megatron_opt {
 
 constexpr int kPass2Unroll = 2;  // vector packs in flight per thread
 
-// Rule interface (see AdamwRule in adamw_rule.cuh):
+// Rule interface (see LionRule in rules/lion.cu, AdamwRule in rules/adamw.cuh):
 //   static constexpr int kStates;                  // state arrays (0, 1 or 2)
+//   static constexpr bool kPrecisionAware;         // 16-bit state / fp16 and remainder masters (else fp32 only)
 //   struct Args;                                   // per-launch constants, passed by value
 //   struct Seg;                                    // per-chunk constants
+//   static Args make_args(const Pass2Call&, at::Device);  // host: the constants from the call (and checks)
 //   static __device__ Seg seg(const Args&, double lr, double wd, float grad_scale);
 //   static __device__ void math(float g, float& w, float& s0, float& s1, const Args&, const Seg&);
 // The kernel's other template parameters say how values are stored (precision.cuh): GT the grad,
@@ -73,7 +79,7 @@ template <typename Rule, typename GT, typename PT, typename MP, bool kParamOut, 
 __global__ void __launch_bounds__(kThreads)
     pass2_kernel(const int64_t* __restrict__ ptrs, const int64_t* __restrict__ chunks,
                  const double* __restrict__ lr_wd, int ngroups, const float* __restrict__ grad_scale_ptr,
-                 float clip_coef, const float* __restrict__ found_inf_ptr, const int64_t* __restrict__ sr_step,
+                 const float* __restrict__ found_inf_ptr, const int64_t* __restrict__ sr_step,
                  const typename Rule::Args a) {
   using E = Pass2Elem<Rule, GT, PT, MP, kParamOut, T0, T1>;
   using GS = typename E::GS;
@@ -91,8 +97,7 @@ __global__ void __launch_bounds__(kThreads)
   S1* s1 = reinterpret_cast<S1*>(row[3]);
   PS* po = reinterpret_cast<PS*>(row[4]);
   const int gid = c.group < 0 ? 0 : (c.group >= ngroups ? ngroups - 1 : c.group);  // validated on the host
-  const typename Rule::Seg k =
-      Rule::seg(a, lr_wd[2 * gid], lr_wd[2 * gid + 1], __fmul_rn(*grad_scale_ptr, clip_coef));
+  const typename Rule::Seg k = Rule::seg(a, lr_wd[2 * gid], lr_wd[2 * gid + 1], *grad_scale_ptr);
   const StochasticArgs sr = stochastic_args(sr_step);  // sr_step == nullptr: nearest rounding
 
   if (c.phase < 0) {
@@ -159,16 +164,13 @@ __global__ void __launch_bounds__(kThreads)
 // ------------------------------------------------------------------------------------------------
 // Host side: argument checks and dtype dispatch
 // ------------------------------------------------------------------------------------------------
-struct Pass2Args {
-  const at::Tensor& ptrs;
-  const at::Tensor& chunks;
-  const at::Tensor& lr_wd;
-  const at::Tensor& grad_scale;
-  double clip_coef;
-  const std::optional<at::Tensor>& found_inf;
-};
+// The rule's constants, checked for their count.
+inline const std::vector<double>& rule_constants(const Pass2Call& c, size_t n, const char* names) {
+  TORCH_CHECK(c.constants.size() == n, c.op, ": takes ", n, " constants (", names, "), got ", c.constants.size());
+  return c.constants;
+}
 
-inline at::Device check_pass2(const char* op, const Pass2Args& p) {
+inline at::Device check_pass2(const char* op, const Pass2Call& p) {
   TORCH_CHECK(p.grad_scale.is_cuda(), op, ": grad_scale must be a CUDA tensor");
   const at::Device device = p.grad_scale.device();
   check_plan_tables(p.ptrs, p.chunks, device);
@@ -185,13 +187,12 @@ inline at::Device check_pass2(const char* op, const Pass2Args& p) {
 // Launch geometry and device pointers of one pass-2 launch; sr_step is the device step when bf16 state
 // is rounded stochastically, else nullptr.
 template <typename Rule, typename GT, typename PT, typename MP, bool kParamOut, typename T0, typename T1>
-void launch_pass2(const Pass2Args& p, const typename Rule::Args& a, const int64_t* sr_step) {
+void launch_pass2(const Pass2Call& p, const typename Rule::Args& a, const int64_t* sr_step) {
   const unsigned grid = static_cast<unsigned>(p.chunks.size(0));
   const float* fi = p.found_inf.has_value() ? p.found_inf->template data_ptr<float>() : nullptr;
   pass2_kernel<Rule, GT, PT, MP, kParamOut, T0, T1><<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
       p.ptrs.template data_ptr<int64_t>(), p.chunks.template data_ptr<int64_t>(), p.lr_wd.template data_ptr<double>(),
-      static_cast<int>(p.lr_wd.size(0)), p.grad_scale.template data_ptr<float>(), static_cast<float>(p.clip_coef),
-      fi, sr_step, a);
+      static_cast<int>(p.lr_wd.size(0)), p.grad_scale.template data_ptr<float>(), fi, sr_step, a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -233,16 +234,12 @@ void with_param_code(const char* op, int64_t param_code, F&& f) {
   }
 }
 
-// Rules with fp32 master and fp32 state only (SGD, Lion): checks, then launches Rule's pass 2 for the
-// plan's grad / param_out dtype codes.
+// Rules with fp32 master and fp32 state only (SGD, Lion): launches Rule's pass 2 for the plan's grad /
+// param_out dtype codes (device guard and checks done by run_rule).
 template <typename Rule>
-void run_pass2(const char* op, int64_t grad_code, int64_t param_code, const Pass2Args& p,
-               const typename Rule::Args& a) {
-  const at::Device device = check_pass2(op, p);
-  if (p.chunks.size(0) == 0) return;
-  const c10::cuda::CUDAGuard guard(device);
-  with_float_code(op, "grad", grad_code, [&](auto gt) {
-    with_param_code<MasterF32>(op, param_code, [&](auto pt, auto has_po) {
+void run_pass2_fp32(const char* op, const Pass2Call& p, const typename Rule::Args& a) {
+  with_float_code(op, "grad", p.grad_code, [&](auto gt) {
+    with_param_code<MasterF32>(op, p.param_code, [&](auto pt, auto has_po) {
       using GT = typename decltype(gt)::type;
       using PT = typename decltype(pt)::type;
       launch_pass2<Rule, GT, PT, MasterF32, decltype(has_po)::value, F32, F32>(p, a, nullptr);
@@ -257,13 +254,14 @@ inline bool supported_state_pair(int64_t s0, int64_t s1) {
          (s0 == kCodeF16 && s1 == kCodeF16) || (s0 == kCodeBF16 && s1 == kCodeF32);
 }
 
-// Precision-aware pass 2 for one master storage MP (device guard and code checks done by the caller):
-// dispatches grad, param_out and the (supported) state pair, then launches.
+// Precision-aware pass 2 for one master storage MP (device guard and code checks done by run_rule):
+// dispatches grad, param_out and the (supported) state pair, then launches. A rule may instantiate it
+// in separate files, one per master storage, so that the build compiles them in parallel (AdamW does).
 template <typename Rule, typename MP>
-void run_pass2_master(const char* op, int64_t grad_code, int64_t param_code, int64_t s0_code, int64_t s1_code,
-                      const Pass2Args& p, const typename Rule::Args& a, const int64_t* sr_step) {
-  with_float_code(op, "grad", grad_code, [&](auto gt) {
-    with_param_code<MP>(op, param_code, [&](auto pt, auto has_po) {
+void run_pass2_master(const char* op, const Pass2Call& p, const typename Rule::Args& a, const int64_t* sr_step) {
+  const int64_t s0_code = p.state0_code, s1_code = p.state1_code;
+  with_float_code(op, "grad", p.grad_code, [&](auto gt) {
+    with_param_code<MP>(op, p.param_code, [&](auto pt, auto has_po) {
       using GT = typename decltype(gt)::type;
       using PT = typename decltype(pt)::type;
       constexpr bool kPO = decltype(has_po)::value;
@@ -282,4 +280,74 @@ void run_pass2_master(const char* op, int64_t grad_code, int64_t param_code, int
   });
 }
 
+// The dtype codes alone (no tensor needed): checked first, so the messages are the same on any device.
+inline void check_precision_aware_codes(const Pass2Call& c) {
+  const auto is_float_code = [](int64_t code) { return code == kCodeF32 || code == kCodeBF16 || code == kCodeF16; };
+  TORCH_CHECK(is_float_code(c.grad_code), c.op, ": unknown grad dtype code ", c.grad_code,
+              " (0 float32, 1 bfloat16, 2 float16)");
+  TORCH_CHECK(c.param_code == kCodeNone || is_float_code(c.param_code), c.op, ": unknown param_out dtype code ",
+              c.param_code, " (-1 none, 0 float32, 1 bfloat16, 2 float16)");
+  TORCH_CHECK(c.master_code == kCodeF32 || c.master_code == kCodeF16 || c.master_code == kCodeRem, c.op,
+              ": unknown master storage code ", c.master_code,
+              " (0 float32, 2 float16, 3 int16 remainder of a bfloat16 param)");
+  TORCH_CHECK(c.master_code != kCodeRem || c.param_code == kCodeBF16, c.op,
+              ": an int16 remainder master needs a bfloat16 param_out (code 1), got param_out code ", c.param_code);
+  TORCH_CHECK(is_float_code(c.state0_code) && is_float_code(c.state1_code), c.op, ": unknown state dtype codes (",
+              c.state0_code, ", ", c.state1_code, "): two states, each 0 float32, 1 bfloat16 or 2 float16");
+  TORCH_CHECK(supported_state_pair(c.state0_code, c.state1_code), c.op, ": no kernel for state dtype codes (",
+              c.state0_code, ", ", c.state1_code, "); the kernels take (state0, state1) = (0, 0), (1, 1), (2, 2) or "
+              "(1, 0) (the rule's op runs the reference for other pairs)");
+}
+
+inline void check_fp32_codes(const Pass2Call& c) {
+  TORCH_CHECK(c.master_code == kCodeF32 && (c.state0_code == kCodeF32 || c.state0_code == kCodeNone) &&
+                  (c.state1_code == kCodeF32 || c.state1_code == kCodeNone),
+              c.op, ": takes float32 master and state only (master code ", c.master_code, ", state codes ",
+              c.state0_code, ", ", c.state1_code, ")");
+}
+
+// Dispatches the master storage. A rule that instantiates run_pass2_master<Rule, MP> in another file
+// declares it there as extern template before registering (rules/adamw.cu).
+template <typename Rule>
+void run_pass2_precision_aware(const Pass2Call& c, const typename Rule::Args& a) {
+  // Stochastic rounding applies to bf16 slots only; on fp32 / fp16 slots the flag changes nothing.
+  const int64_t* sr_step = c.stochastic ? c.step->template data_ptr<int64_t>() : nullptr;
+  switch (c.master_code) {
+    case kCodeF32:
+      run_pass2_master<Rule, MasterF32>(c.op, c, a, sr_step);
+      break;
+    case kCodeF16:
+      run_pass2_master<Rule, MasterF16>(c.op, c, a, sr_step);
+      break;
+    default:  // kCodeRem (checked)
+      run_pass2_master<Rule, MasterRem>(c.op, c, a, sr_step);
+      break;
+  }
+}
+
+// The launcher of an elementwise rule (what MEGATRON_OPT_REGISTER_RULE registers): code checks,
+// argument checks, the rule's constants, the launch.
+template <typename Rule>
+void run_rule(const Pass2Call& c) {
+  if constexpr (Rule::kPrecisionAware) {
+    check_precision_aware_codes(c);
+  } else {
+    check_fp32_codes(c);
+  }
+  const at::Device device = check_pass2(c.op, c);
+  TORCH_CHECK(!c.stochastic || Rule::kPrecisionAware, c.op, ": stochastic rounding needs a precision-aware rule");
+  TORCH_CHECK(!c.stochastic || c.step.has_value(), c.op, ": stochastic rounding hashes the step: pass step");
+  const typename Rule::Args a = Rule::make_args(c, device);
+  if (c.chunks.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(device);
+  if constexpr (Rule::kPrecisionAware) {
+    run_pass2_precision_aware<Rule>(c, a);
+  } else {
+    run_pass2_fp32<Rule>(c.op, c, a);
+  }
+}
+
 }  // namespace megatron_opt
+
+// Registers the generic launcher of the elementwise rule RULE (the Rule interface above) as OP.
+#define MEGATRON_OPT_REGISTER_RULE(OP, RULE) MEGATRON_OPT_REGISTER_PASS2(OP, &::megatron_opt::run_rule<RULE>)

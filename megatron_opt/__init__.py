@@ -13,7 +13,7 @@ from .optimizer.factory import get_megatron_optimizer, get_param_groups
 from .optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer.megatron_optimizer import MegatronOptimizer
 from .optimizer.step_driver import SkipReason, StepState
-from .optimizer.update_rules import SGD, AdamW, Lion, UpdateRule
+from .optimizer.rules import SGD, AdamW, Lion, UpdateRule
 from .optimizer.verify import Finding, VerifyReport
 from .scheduler import OptimizerParamScheduler
 from .training import TrainStepResult, canonical_lr, train_step

@@ -18,6 +18,7 @@ import torch
 
 from .errors import ConfigError, InvalidConfigError, UnsupportedConfigError  # noqa: F401  (re-exported)
 from .ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES, dtype_names
+from .optimizer.rules.registry import OPTIMIZER_NAMES, names_in_words
 
 
 _INF = math.inf
@@ -221,9 +222,9 @@ class OptimizerConfig:
                 "OptimizerConfig.overlap_param_gather_with_optimizer_step=True overlaps the distributed optimizer's "
                 "param all-gather with its own step; it needs use_distributed_optimizer=True (and the model wrapped "
                 "with DistributedDataParallelConfig(overlap_param_gather=True)), as in Megatron-LM.")
-        if self.optimizer not in ("adam", "sgd", "lion"):
+        if self.optimizer not in OPTIMIZER_NAMES:
             raise UnsupportedConfigError(
-                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use 'adam', 'sgd' or 'lion'."
+                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use {names_in_words()}."
             )
         self._check_precision_aware()
 

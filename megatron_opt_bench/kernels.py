@@ -101,6 +101,7 @@ def make_table(n: int, num_tensors: int):
 
 def bench_config(cfg: Config, n: int, num_tensors: int, warmup: int, iters: int, copy_gbs: float) -> Optional[dict]:
     import megatron_opt.ops as ops
+    from megatron_opt import AdamW
 
     dev = torch.device(DEVICE)
     free, _ = torch.cuda.mem_get_info()
@@ -126,11 +127,11 @@ def bench_config(cfg: Config, n: int, num_tensors: int, warmup: int, iters: int,
     lr_wd = ops.DeviceHyperparams(2, dev).update([LR, LR], [WD, 0.0])
 
     def pass1():
-        ops.grad_stats_planned(plan, inv_scale, stats, count_zeros=False)  # Megatron-LM default
+        ops.grad_stats(plan, inv_scale, stats, count_zeros=False)  # Megatron-LM default
 
     def pass2():
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step, beta1=BETA1, beta2=BETA2,
-                               eps=EPS)
+        AdamW(beta1=BETA1, beta2=BETA2, eps=EPS).apply(plan, lr_wd=lr_wd, grad_scale=grad_scale, step=step,
+                                                       backend="auto")
 
     def our_step():
         stats.zero_()

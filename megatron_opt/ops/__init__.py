@@ -1,35 +1,38 @@
-"""The step's fused operations, behind one typed front per op.
+"""The step's fused operations, behind one front: one call per pass over every shard of a ``StepPlan``.
 
-The fronts below own each op's signature. They pack the arguments into the records of
-``ops/op_args.py`` (``ShardOperands``, ``LrWd``, ``StatsArgs``, ``AdamWArgs``, ``SGDArgs``,
-``LionArgs``) and call the backend's function of the same name, ``op(shard, args)`` for pass 1 and
-``op(shard, lr_wd, args)`` for pass 2. Three backends share the semantics of ``ops.reference`` (the
-spec): ``"cuda-ext"`` (the compiled ``megatron_opt._C``, wrapped by ``ops.cuda``), ``"cpu"`` (torch's
-fused CPU kernels, checked against the reference in tests) and ``"reference"``. Every front takes
-``backend``: ``"auto"`` picks by the tensor's device (CUDA tensors go to the extension when it was
-built, else to the reference; CPU tensors go to ``cpu``). The environment is only an override, for
-debugging: MEGATRON_OPT_OPS=reference|cpu forces that backend; MEGATRON_OPT_DISABLE_CUDA_EXT=1
-skips loading the extension.
+* ``grad_stats(plan, inv_scale, stats)``: pass 1, the gradient statistics;
+* ``update(plan, args, lr_wd=...)``: pass 2, the update of an update rule, whose op record ``args``
+  (an ``UpdateArgs`` subclass, e.g. ``optimizer.rules.adamw.AdamWStep``) holds the rule's constants
+  and its backends (``ops/op_args.py``);
+* ``advance_step(step, found_inf)``: the update counter.
+
+A one-shard plan is the single-shard case. Three backends share the semantics of the reference (the
+spec): ``"cuda-ext"`` (the compiled ``megatron_opt._C``, wrapped by ``ops.cuda``: one launch per
+pass), ``"cpu"`` (torch's fused CPU kernels, checked against the reference in tests) and
+``"reference"``; the torch backends walk the plan shard by shard. Every front takes ``backend``:
+``"auto"`` picks by the tensor's device (CUDA tensors go to the extension when it was built, else to
+the reference; CPU tensors go to ``cpu``). The environment is only an override, for debugging:
+MEGATRON_OPT_OPS=reference|cpu forces that backend; MEGATRON_OPT_DISABLE_CUDA_EXT=1 skips loading
+the extension.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
 from types import ModuleType
-from typing import Literal, Optional, Sequence
+from typing import Literal, Optional
 
 import torch
 
 from . import cpu, reference
-from .op_args import AdamWArgs, LionArgs, LrWd, SGDArgs, ShardOperands, StatsArgs, UpdateArgs
+from .op_args import LrWd, ShardOperands, StatsArgs, UpdateArgs
 from .piece_table import PieceTable, full_table
-from .step_plan import DeviceHyperparams, StepPlan, lr_wd_table
+from .step_plan import DeviceHyperparams, StepPlan, host_lr_wd, lr_wd_table
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 from .precision import MASTER_DTYPES, STATE_DTYPES
 
 Backend = Literal["auto", "cuda-ext", "cpu", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "cuda-ext", "cpu", "reference")
-
 
 
 def _load_cuda_impl() -> tuple[Optional[ModuleType], Optional[str]]:
@@ -69,125 +72,61 @@ def resolve_backend(t: torch.Tensor, backend: str = "auto") -> str:
     return chosen
 
 
-def _impl(t: torch.Tensor, backend: str) -> ModuleType:
-    name = resolve_backend(t, backend)
-    return {"cuda-ext": _cuda_impl, "cpu": cpu, "reference": reference}[name]  # type: ignore[return-value]
-
-
 def backend_for(t: torch.Tensor) -> str:
     """'cuda-ext', 'cpu' or 'reference': where an op on ``t`` runs with backend='auto'."""
     return resolve_backend(t, "auto")
 
 
-# ---------------------------------------------------------------------------------------- pass 1
-def grad_stats(grad: torch.Tensor, table: PieceTable, inv_scale: torch.Tensor, stats: torch.Tensor,
-               count_zeros: bool = True, *, backend: Backend = "auto") -> None:
-    """stats += [non-finite count, sum of (grad*inv_scale)^2 over in-norm pieces, zero count]."""
-    _impl(grad, backend).grad_stats(ShardOperands(table, grad), StatsArgs(inv_scale, stats, count_zeros))
-
-
-def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
-    """step += 1 on the device, unless ``found_inf`` is given and nonzero."""
-    _impl(step, backend).advance_step(step, found_inf)
-
-
-# ---------------------------------------------------------------------------------------- pass 2
-# ``grad_scale`` of the update ops is the one gradient multiplier: the caller has folded every factor
-# into it (unscale, 1/loss scale, the clip coefficient) as one fp32 device scalar.
-def _update(shard: ShardOperands, lr: Sequence[float], weight_decay: Sequence[float], args: UpdateArgs,
-            backend: str) -> None:
-    getattr(_impl(shard.grad, backend), args.op)(shard, LrWd(lr, weight_decay), args)
-
-
-def adamw_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-               param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
-               weight_decay: Sequence[float], grad_scale: torch.Tensor, step: torch.Tensor, beta1: float,
-               beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
-               stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
-    """AdamW on one shard; moments and master may be 16-bit (see ops/precision.py)."""
-    _update(ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out), lr, weight_decay,
-            AdamWArgs(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1, beta2=beta2, eps=eps,
-                      stochastic_rounding=stochastic_rounding), backend)
-
-
-def sgd_step(grad: torch.Tensor, master: torch.Tensor, momentum_buffer: Optional[torch.Tensor],
-             param_out: Optional[torch.Tensor], table: PieceTable, *, lr: Sequence[float],
-             weight_decay: Sequence[float], grad_scale: torch.Tensor, momentum: float, nesterov: bool = False,
-             found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
-    """SGD on one shard; ``momentum_buffer`` may be None when momentum is 0."""
-    state = () if momentum_buffer is None else (momentum_buffer,)
-    _update(ShardOperands(table, grad, master, state, param_out), lr, weight_decay,
-            SGDArgs(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum, nesterov=nesterov), backend)
-
-
-def lion_step(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, param_out: Optional[torch.Tensor],
-              table: PieceTable, *, lr: Sequence[float], weight_decay: Sequence[float], grad_scale: torch.Tensor,
-              beta1: float, beta2: float, found_inf: Optional[torch.Tensor] = None,
-              backend: Backend = "auto") -> None:
-    """Lion on one shard."""
-    _update(ShardOperands(table, grad, master, (exp_avg,), param_out), lr, weight_decay,
-            LionArgs(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2), backend)
-
-
-# ---------------------------------------------------------------------------------------- planned
-# One call per pass over every shard of a StepPlan: one launch on the CUDA extension; the torch
-# backends walk the plan's shards (ShardOperands) through their single-shard ops (same results).
-def _plan_impl(plan: StepPlan, backend: str) -> Optional[ModuleType]:
-    return _impl(plan.shards[0].grad, backend) if plan.shards else None
-
-
-def grad_stats_planned(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True, *,
-                       backend: Backend = "auto") -> None:
-    """stats += pass 1 over every shard of ``plan`` (see ``grad_stats``)."""
-    impl = _plan_impl(plan, backend)
-    if impl is None:
+# ---------------------------------------------------------------------------------------- the front
+def grad_stats(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, count_zeros: bool = True, *,
+               backend: Backend = "auto") -> None:
+    """Pass 1 over every shard of ``plan``: stats += [non-finite count, sum of (grad*inv_scale)^2 over
+    the in-norm pieces, zero count of the in-norm pieces]."""
+    if not plan.shards:
         return
     args = StatsArgs(inv_scale, stats, count_zeros)
-    if impl is _cuda_impl:
-        impl.grad_stats_planned(plan, args)
+    name = resolve_backend(plan.shards[0].grad, backend)
+    if name == "cuda-ext":
+        _cuda_impl.grad_stats(plan, args)
         return
+    impl = cpu if name == "cpu" else reference
     for s in plan.shards:
         impl.grad_stats(s, args)
 
 
-def _update_planned(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs, backend: str) -> None:
-    """Pass 2 (``args.op``) over every shard of ``plan``: one ``<op>_planned`` launch on the CUDA
-    extension; on a torch backend the single-shard op per shard, with the lr table read on the host."""
-    impl = _plan_impl(plan, backend)
-    if impl is None:
+def update(plan: StepPlan, args: UpdateArgs, *, lr_wd: torch.Tensor, backend: Backend = "auto") -> None:
+    """Pass 2 of ``args``'s rule over every shard of ``plan`` (whose shard state is the rule's state
+    tensors, in order); ``lr_wd``: the [groups, 2] float64 (lr, weight decay) table on the plan's
+    device. One launch on the CUDA extension; on a torch backend the rule's op per shard, with the
+    table's host values (those ``DeviceHyperparams`` staged, so no device read)."""
+    if not plan.shards:
         return
-    if impl is _cuda_impl:
-        getattr(impl, f"{args.op}_planned")(plan, lr_wd, args)
+    name = resolve_backend(plan.shards[0].grad, backend)
+    if name == "cuda-ext":
+        _cuda_impl.update(plan, lr_wd, args)
         return
     plan.check_groups(lr_wd, args.op)
-    host_lr_wd = LrWd.from_table(lr_wd)
-    step_op = getattr(impl, args.op)
+    host = host_lr_wd(lr_wd)
+    step_op = args.cpu if name == "cpu" else args.reference
     for s in plan.shards:
-        step_op(s, host_lr_wd, args)
+        step_op(s, host)
 
 
-def adamw_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
-                       beta1: float, beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
-                       stochastic_rounding: bool = False, backend: Backend = "auto") -> None:
-    """AdamW over every shard of ``plan``; shard state is (exp_avg, exp_avg_sq); lr_wd is [groups, 2].
-    Moments and masters may be 16-bit (see ops/precision.py)."""
-    _update_planned(plan, lr_wd, AdamWArgs(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1,
-                                           beta2=beta2, eps=eps, stochastic_rounding=stochastic_rounding), backend)
+def cuda_launch(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs, constants: tuple[float, ...],
+                step: Optional[torch.Tensor] = None, stochastic: bool = False) -> None:
+    """One launch of the compiled kernel registered as ``args.op`` (csrc/rules/) over every chunk of
+    ``plan``: what a rule's ``UpdateArgs.cuda`` calls. ``constants``: the rule's constants in the order
+    its kernel reads them; ``step``: the device update counter, for a kernel that reads it;
+    ``stochastic``: round bf16 state stochastically (precision-aware kernels)."""
+    if _cuda_impl is None:
+        raise RuntimeError(f"{args.op}: the CUDA extension is not built ({CUDA_EXT_ERROR}).")
+    _cuda_impl.launch_update(plan, lr_wd, args, constants, step=step, stochastic=stochastic)
 
 
-def sgd_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
-                     nesterov: bool = False, found_inf: Optional[torch.Tensor] = None,
-                     backend: Backend = "auto") -> None:
-    """SGD over every shard of ``plan``; shard state is (momentum_buffer,) when momentum != 0, else ()."""
-    _update_planned(plan, lr_wd, SGDArgs(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum,
-                                         nesterov=nesterov), backend)
-
-
-def lion_step_planned(plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float, beta2: float,
-                      found_inf: Optional[torch.Tensor] = None, backend: Backend = "auto") -> None:
-    """Lion over every shard of ``plan``; shard state is (exp_avg,)."""
-    _update_planned(plan, lr_wd, LionArgs(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2),
-                    backend)
+def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
+    """step += 1 on the device, unless ``found_inf`` is given and nonzero."""
+    impl = {"cuda-ext": _cuda_impl, "cpu": cpu, "reference": reference}[resolve_backend(step, backend)]
+    impl.advance_step(step, found_inf)
 
 
 __all__ = [
@@ -198,18 +137,17 @@ __all__ = [
     "resolve_backend",
     "backend_for",
     "grad_stats",
+    "update",
+    "advance_step",
+    "cuda_launch",
     "StepPlan",
     "ShardOperands",
+    "LrWd",
+    "StatsArgs",
+    "UpdateArgs",
     "DeviceHyperparams",
     "lr_wd_table",
-    "grad_stats_planned",
-    "adamw_step_planned",
-    "sgd_step_planned",
-    "lion_step_planned",
-    "advance_step",
-    "adamw_step",
-    "sgd_step",
-    "lion_step",
+    "host_lr_wd",
     "HAS_CUDA_EXT",
     "MASTER_DTYPES",
     "STATE_DTYPES",

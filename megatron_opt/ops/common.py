@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import torch
 
-from .op_args import ShardOperands, UpdateArgs
 from .piece_table import PieceTable
+
+if TYPE_CHECKING:  # op_args imports this module
+    from .op_args import ShardOperands, UpdateArgs
 
 
 def sum_of_squares(grad: torch.Tensor, runs: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -61,7 +63,7 @@ def is_skipped(found_inf: Optional[torch.Tensor]) -> bool:
     return found_inf is not None and bool(found_inf.item() != 0)
 
 
-def update_span(shard: ShardOperands, args: UpdateArgs) -> Optional[tuple[int, int]]:
+def update_span(shard: "ShardOperands", args: "UpdateArgs") -> Optional[tuple[int, int]]:
     """The [first start, last end) a pass-2 op sweeps on ``shard``, or None when it writes nothing
     (no pieces, or a nonzero ``found_inf``)."""
     span = shard.table.span()

@@ -1,22 +1,29 @@
-"""What the backends take: the typed fronts (``ops/__init__.py``) own every op's signature and pack
-their arguments into the frozen records below, so each backend function is
-``op(shard, args)`` (pass 1) or ``op(shard, lr_wd, args)`` (pass 2), and each planned one
-``op_planned(plan, args)`` / ``op_planned(plan, lr_wd, args)``.
+"""What the ops take: the one front (``ops/__init__.py``) runs a pass over every shard of a
+``StepPlan``; these frozen records carry the rest.
 
 * ``ShardOperands``: one shard's flat tensors (the rows of a ``StepPlan`` are these).
-* ``LrWd``: per param group lr and weight decay as host numbers (single-shard ops; the planned ops
-  take the same values as a float64 ``[groups, 2]`` device table instead).
-* ``StatsArgs``: pass 1's scalars; ``AdamWArgs``, ``SGDArgs``, ``LionArgs``: pass 2's, the per-step
-  device scalars (``UpdateArgs``) plus the rule's constants.
+* ``LrWd``: per param group lr and weight decay as host numbers (what the torch backends read; the
+  CUDA kernels read the same values as a float64 ``[groups, 2]`` device table instead).
+* ``StatsArgs``: pass 1's scalars.
+* ``UpdateArgs``: pass 2's per-step device scalars, the base of each update rule's op record. A rule
+  subclasses it once (``optimizer/rules/<rule>.py``) with its constants and its backends:
+  ``reference(shard, lr_wd)`` (the spec, torch ops), optionally ``cpu(shard, lr_wd)`` (torch's fused
+  CPU kernels) and ``cuda(plan, lr_wd_table)`` (one launch of its compiled kernel), and ``check(plan)``,
+  its operand checks on the CUDA path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Optional, Sequence
 
 import torch
 
+from .common import gaps_kept, update_span
+from .operand_checks import check_scalar, check_update_operands
 from .piece_table import PieceTable
+
+if TYPE_CHECKING:
+    from .step_plan import StepPlan
 
 
 @dataclass(frozen=True)
@@ -57,42 +64,66 @@ class StatsArgs:
 class UpdateArgs:
     """What every pass-2 op takes per step: ``grad_scale``, the one fp32 gradient multiplier (unscale
     factor, 1/loss scale and clip coefficient folded in), and ``found_inf``, a device flag that,
-    when nonzero, makes the op write nothing."""
+    when nonzero, makes the op write nothing. A rule's op record adds its constants and backends."""
 
-    op: ClassVar[str]  # the op's name: the backend function, and the prefix of its error messages
+    op: ClassVar[str]  # the op's name: the compiled kernel's registered name, and the prefix of its error messages
+    state_names: ClassVar[tuple[str, ...]] = ()  # the shard state, in order (named in error messages)
+    precision_aware: ClassVar[bool] = False  # 16-bit state and float16 / int16-remainder masters allowed
     grad_scale: torch.Tensor
     found_inf: Optional[torch.Tensor] = None
 
+    def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
+        """Pass 2 on one shard with torch ops: the behavioural spec every other backend matches."""
+        self._over_span(shard, lr_wd, self.reference_span)
 
-@dataclass(frozen=True, kw_only=True)
-class AdamWArgs(UpdateArgs):
-    """AdamW; ``step`` is the 1-based index of this update (already advanced). Shard state:
-    (exp_avg, exp_avg_sq)."""
+    def cpu(self, shard: ShardOperands, lr_wd: LrWd) -> None:
+        """Pass 2 on one CPU shard (``cpu_span``)."""
+        self._over_span(shard, lr_wd, self.cpu_span)
 
-    op: ClassVar[str] = "adamw_step"
-    step: torch.Tensor
-    beta1: float
-    beta2: float
-    eps: float
-    stochastic_rounding: bool = False
+    def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
+        """The rule's torch ops over elements [a, b) of the shard (the span of its pieces, gaps
+        included: their elements are put back afterwards); ``lr_wd`` indexed by the table's group ids."""
+        raise NotImplementedError(f"{type(self).__name__} has no reference implementation")
+
+    def cpu_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
+        """A faster CPU version of ``reference_span`` (default: the reference itself)."""
+        self.reference_span(shard, lr_wd, a, b)
+
+    def _over_span(self, shard: ShardOperands, lr_wd: LrWd, run: Callable[[ShardOperands, LrWd, int, int], None]
+                   ) -> None:
+        """``run`` over the span of the shard's pieces, unless there is none or ``found_inf`` is set; the
+        torch ops sweep whole runs, so the gap elements of every output are put back afterwards."""
+        span = update_span(shard, self)
+        if span is None:
+            return
+        with gaps_kept(shard.table, shard.master, *shard.state, shard.param_out):
+            run(shard, lr_wd, *span)
+
+    def check(self, plan: "StepPlan") -> None:
+        """The operand checks before a CUDA launch: each shard's tensors by name (once per plan) and the
+        rule's device scalars (every call). A rule with more scalars or constraints extends it."""
+        device = plan.device
+
+        def operands() -> None:
+            for s in plan.shards:
+                check_update_operands(self.op, device, s.table, s.grad, s.master,
+                                      dict(zip(self.state_names, s.state)), s.param_out, {},
+                                      precision_aware=self.precision_aware,
+                                      rule=type(self).__name__.removesuffix("Step"))
+
+        plan.check_once(self.op, operands)
+        check_scalar(f"{self.op}: grad_scale", self.grad_scale, device, torch.float32)
+        if self.found_inf is not None:
+            check_scalar(f"{self.op}: found_inf", self.found_inf, device, torch.float32)
+
+    def cuda(self, plan: "StepPlan", lr_wd: torch.Tensor) -> None:
+        """Pass 2 over every shard of ``plan`` on the CUDA extension (``lr_wd``: the [groups, 2] device
+        table). Default, for a rule without a kernel: the reference shard by shard on the same CUDA
+        tensors (it reads the table and ``found_inf`` on the host, so it syncs and cannot be captured
+        in a CUDA graph)."""
+        host = LrWd.from_table(lr_wd)
+        for s in plan.shards:
+            self.reference(s, host)
 
 
-@dataclass(frozen=True, kw_only=True)
-class SGDArgs(UpdateArgs):
-    """SGD; shard state: (momentum_buffer,) when momentum != 0, else ()."""
-
-    op: ClassVar[str] = "sgd_step"
-    momentum: float
-    nesterov: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class LionArgs(UpdateArgs):
-    """Lion; shard state: (exp_avg,)."""
-
-    op: ClassVar[str] = "lion_step"
-    beta1: float
-    beta2: float
-
-
-__all__ = ["ShardOperands", "LrWd", "StatsArgs", "UpdateArgs", "AdamWArgs", "SGDArgs", "LionArgs"]
+__all__ = ["ShardOperands", "LrWd", "StatsArgs", "UpdateArgs"]

@@ -3,8 +3,8 @@ the shards of one step plan, and outputs that must not overlap.
 
 The CUDA kernels read raw pointers, so a wrong dtype, length or layout is a silent memory error
 there; these checks turn it into a TypeError / ValueError naming the op and the operand. The step
-plan checks its shards once when it is built; ``ops.cuda`` checks each single-shard call first, with
-the operands' own names (``exp_avg``, ``momentum_buffer``) in the message.
+plan checks its shards once when it is built; before its first CUDA launch on a plan, an update op
+checks each shard with the operands' own names (``exp_avg``, ``momentum_buffer``) in the message.
 """
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from .piece_table import PieceTable
 from .precision import FLOAT_DTYPES, MASTER_DTYPES, STATE_DTYPES, dtype_names
 
 FP32_ONLY = (torch.float32,)
-_RULE_NAMES = {"sgd_step": "SGD", "lion_step": "Lion"}
 _FP32_RULE_HINT = ("; precision-aware state (16-bit moments, float16 or int16-remainder masters) is "
                    "implemented for AdamW only, {rule} takes float32 master and state")
 
 
-def fp32_rule_hint(op: str) -> str:
-    """Why an SGD / Lion operand must be float32 (appended to a dtype error)."""
-    return _FP32_RULE_HINT.format(rule=_RULE_NAMES.get(op, op))
+def fp32_rule_hint(rule: str) -> str:
+    """Why an operand of ``rule`` (a rule without precision-aware state) must be float32 (appended to a
+    dtype error)."""
+    return _FP32_RULE_HINT.format(rule=rule)
 
 
 def check_flat(where: str, t: torch.Tensor, device: torch.device, numel: int,
@@ -92,14 +92,15 @@ def check_no_overlap(where: str, named: dict[str, Optional[torch.Tensor]]) -> No
 
 def check_update_operands(op: str, device: torch.device, table: PieceTable, grad: torch.Tensor,
                           master: torch.Tensor, state: dict[str, torch.Tensor], param_out: Optional[torch.Tensor],
-                          scalars: dict[str, Optional[torch.Tensor]], precision_aware: bool = False) -> None:
-    """The checks every single-shard pass-2 op shares: flat operands, the float32 device scalars
+                          scalars: dict[str, Optional[torch.Tensor]], precision_aware: bool = False,
+                          rule: str = "this rule") -> None:
+    """The checks every pass-2 op shares, on one shard: flat operands, the float32 device scalars
     (``scalars``, None entries skipped), no overlapping outputs. ``precision_aware`` (AdamW): 16-bit
-    moments and float16 / int16-remainder masters are allowed, else (SGD, Lion) master and state
-    must be float32."""
+    moments and float16 / int16-remainder masters are allowed, else (``rule``: SGD, Lion) master and
+    state must be float32."""
     n = table.numel
     check_flat(f"{op}: grad", grad, device, n, FLOAT_DTYPES)
-    hint = "" if precision_aware else fp32_rule_hint(op)
+    hint = "" if precision_aware else fp32_rule_hint(rule)
     check_flat(f"{op}: master", master, device, n, MASTER_DTYPES if precision_aware else FP32_ONLY, hint)
     for name, t in state.items():
         check_flat(f"{op}: {name}", t, device, n, STATE_DTYPES if precision_aware else FP32_ONLY, hint)
@@ -110,28 +111,6 @@ def check_update_operands(op: str, device: torch.device, table: PieceTable, grad
         if t is not None:
             check_scalar(f"{op}: {name}", t, device, torch.float32)
     check_no_overlap(op, {"grad": grad, "master": master, **state, "param_out": param_out})
-
-
-def param_group_lists(op: str, table: PieceTable, lr: Sequence[float],
-                      weight_decay: Sequence[float]) -> tuple[list[float], list[float]]:
-    """Per-group lr and weight decay as float lists, one entry for every group id of ``table``."""
-    lr_l = [float(x) for x in lr]
-    wd_l = [float(x) for x in weight_decay]
-    if len(lr_l) != len(wd_l):
-        raise ValueError(f"{op}: lr has {len(lr_l)} entries but weight_decay has {len(wd_l)}")
-    if table.group:
-        lo, hi = min(table.group), max(table.group)
-        if lo < 0 or hi >= len(lr_l):
-            raise ValueError(f"{op}: the pieces' param group ids span [{lo}, {hi}] but lr/weight_decay have "
-                             f"{len(lr_l)} entries")
-    return lr_l, wd_l
-
-
-def check_fp32_state(op: str, master_dtype: Optional[torch.dtype], state_dtypes: Sequence[torch.dtype]) -> None:
-    """SGD and Lion kernels: float32 master and state only."""
-    if master_dtype not in (None, torch.float32) or any(d != torch.float32 for d in state_dtypes):
-        raise TypeError(f"{op}: the plan has master dtype {master_dtype} and state dtypes {list(state_dtypes)}"
-                        f"{fp32_rule_hint(op)}")
 
 
 def check_plan_shards(shards: Sequence, needs_update: bool) -> None:
@@ -156,7 +135,8 @@ def check_plan_shards(shards: Sequence, needs_update: bool) -> None:
             raise TypeError(f"{where}: param_out dtype {pdt} is not {dtype_names(FLOAT_DTYPES)}")
         if needs_update:
             if s.master is None or s.master.dtype not in MASTER_DTYPES:
-                raise TypeError(f"{where}: master must be a float32, float16 or int16 (remainder) tensor")
+                got = "none" if s.master is None else f"master has dtype {s.master.dtype}"
+                raise TypeError(f"{where}: {got}; a master must be a float32, float16 or int16 (remainder) tensor")
             if s.master.dtype != first.master.dtype:
                 raise TypeError(f"{where}: master dtype {s.master.dtype} differs from shard 0's "
                                 f"{first.master.dtype}: one plan per master storage")
@@ -168,4 +148,4 @@ def check_plan_shards(shards: Sequence, needs_update: bool) -> None:
 
 
 __all__ = ["FP32_ONLY", "fp32_rule_hint", "check_flat", "check_scalar", "check_stats", "check_remainder_param",
-           "check_no_overlap", "check_update_operands", "param_group_lists", "check_fp32_state", "check_plan_shards"]
+           "check_no_overlap", "check_update_operands", "check_plan_shards"]

@@ -13,17 +13,18 @@ param dtype, typically one buffer: the optimizer's ``LaunchPlan``) and each pass
   Chunks never include padding, and their boundaries depend on the tables alone, so pass 1's
   per-chunk partials (and so the grad norm) are bitwise the same on any GPU and grid size.
 
-Torch backends (``reference``, ``cpu``) run the same plan shard by shard through the single-shard
-ops, so every backend takes the same arguments.
+Torch backends (``reference``, ``cpu``) run the same plan shard by shard, so every backend takes the
+same arguments. They read lr and weight decay on the host: ``DeviceHyperparams`` keeps the host values
+it staged beside its device table (``host_lr_wd``), so they never travel host -> device -> host.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from .op_args import ShardOperands
+from .op_args import LrWd, ShardOperands
 from .operand_checks import check_plan_shards
 from .precision import FLOAT_DTYPES
 
@@ -33,6 +34,7 @@ MAX_STATES = 2
 _VECTOR_BYTES = 16
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/common.cuh kCodeF32, kCodeBF16, kCodeF16
 MASTER_CODES = {torch.float32: 0, torch.float16: 2, torch.int16: 3}  # 3: remainder (csrc/common.cuh kCodeRem)
+_HOST_VALUES = "_megatron_opt_host_lr_wd"  # the LrWd a table was staged from, kept on the table tensor
 _IN_NORM_BIT = 32
 _PHASE_SHIFT = 40
 
@@ -139,6 +141,14 @@ class StepPlan:
             )
         return self._device_cache
 
+    def check_once(self, key: str, check: Callable[[], None]) -> None:
+        """Run ``check()`` (an op's operand checks, which depend only on the plan's tensors) the first
+        time ``key`` is seen: a plan is built once and run every step."""
+        done = self._device_cache.setdefault("checked", set())
+        if key not in done:
+            check()
+            done.add(key)
+
     def check_groups(self, lr_wd: torch.Tensor, op: str) -> None:
         if not isinstance(lr_wd, torch.Tensor) or lr_wd.dtype != torch.float64 or lr_wd.dim() != 2 \
                 or lr_wd.shape[1] != 2:
@@ -169,11 +179,21 @@ def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torc
         raise ValueError("lr must have one entry per param group")
     host = torch.tensor(list(zip(lr_l, wd_l)), dtype=torch.float64)
     if device.type != "cuda":
-        return host.to(device)
-    out = torch.empty_like(host, device=device)
-    out._megatron_opt_source = host.pin_memory()  # alive as long as the table (graph replays read it)
-    out.copy_(out._megatron_opt_source, non_blocking=True)
+        out = host.to(device)
+    else:
+        out = torch.empty_like(host, device=device)
+        out._megatron_opt_source = host.pin_memory()  # alive as long as the table (graph replays read it)
+        out.copy_(out._megatron_opt_source, non_blocking=True)
+    setattr(out, _HOST_VALUES, LrWd(lr_l, wd_l))
     return out
+
+
+def host_lr_wd(lr_wd: torch.Tensor) -> LrWd:
+    """The host values of a [groups, 2] (lr, weight decay) table: those it was staged from by
+    ``lr_wd_table`` or ``DeviceHyperparams`` (float64 both ways, so bitwise the table's values), else
+    read back from the device."""
+    staged = getattr(lr_wd, _HOST_VALUES, None)
+    return staged if staged is not None else LrWd.from_table(lr_wd)
 
 
 class DeviceHyperparams:
@@ -194,7 +214,9 @@ class DeviceHyperparams:
                 host = host.pin_memory()  # the caching host allocator keeps it alive until the copy is done
             self.table.copy_(host, non_blocking=self.table.is_cuda)
             self._uploaded = values
+            setattr(self.table, _HOST_VALUES, LrWd([v[0] for v in values], [v[1] for v in values]))
         return self.table
 
 
-__all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "DeviceHyperparams"]
+__all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "host_lr_wd",
+           "DeviceHyperparams"]

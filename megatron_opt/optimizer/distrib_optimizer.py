@@ -21,7 +21,8 @@ from .shard_store import ShardStore
 from .state_dict import STATE_DICT_FORMAT
 from .state_view import LeafView, leaf_view
 from .step_driver import StepDriver
-from .update_rules import UpdateRule, update_rule_from_config
+from .rules.base import UpdateRule
+from .rules.registry import resolve_update_rule
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -65,7 +66,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.is_expert_parallel = expert_parallel
         self.model_parallel_group = model_parallel_group
         store = ShardStore(
-            model_chunks, update_rule or update_rule_from_config(config), param_groups,
+            model_chunks, resolve_update_rule(config, update_rule), param_groups,
             default_lr=config.lr, default_weight_decay=config.weight_decay, expert_parallel=expert_parallel,
             tensor_parallel_group=tensor_parallel_group,
             main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)

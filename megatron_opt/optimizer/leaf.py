@@ -19,9 +19,10 @@ import torch
 from .. import ops
 from ..distributed.shard_view import GradSource, LocalShard, StatsRole
 from . import state_access
+from .grad_multiplier import GradMultiplier
 from .shard_store import OwnedShard, ShardStore
 from .state_access import PieceState
-from .update_rules import UpdateRule
+from .rules.base import UpdateRule
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class LaunchPlan:
     """Shards that pass 1 and pass 2 cover in one call each."""
 
     step_plan: ops.StepPlan
-    unscale_factor: torch.Tensor  # the shards' one resolved unscale factor (distributed/ keeps it current)
+    multiplier: GradMultiplier  # of the shards' one resolved unscale factor (distributed/ keeps it current)
     counts_stats: bool  # the shards' stats role: False where another rank counts these elements
 
 
@@ -46,9 +47,9 @@ class OptimizerLeaf:
         self.step: torch.Tensor = store.step  # updates applied so far (an int64 device tensor)
         self.is_expert_parallel: bool = store.is_expert_parallel
         self.backend = ops.resolve_backend(torch.empty(0, device=store.device))
+        self.multipliers: list[GradMultiplier] = []  # one per distinct unscale factor, shared by launch plans
         self.launch_plans = self._build_launch_plans()
         self._hyperparams = ops.DeviceHyperparams(len(self.param_groups), store.device)
-        self._inv_scale: dict[int, torch.Tensor] = {}  # id(unscale factor) -> unscale / loss scale, per step
 
     def _build_launch_plans(self) -> list[LaunchPlan]:
         members: dict[tuple, list] = {}
@@ -57,11 +58,18 @@ class OptimizerLeaf:
                    s.shard.stats_role.counts, s.master.dtype)
             members.setdefault(key, []).append(s)
         names = list(self.rule.state_dtypes())
+        by_factor: dict[int, GradMultiplier] = {}
+        for group in members.values():
+            factor = group[0].shard.unscale_factor
+            if id(factor) not in by_factor:
+                by_factor[id(factor)] = GradMultiplier(factor)
+                self.multipliers.append(by_factor[id(factor)])
         return [
             LaunchPlan(ops.StepPlan(tuple(ops.ShardOperands(s.table, s.shard.grad, s.master,
                                                             tuple(s.state[n] for n in names), s.param_out)
                                           for s in group)),
-                       unscale_factor=group[0].shard.unscale_factor, counts_stats=group[0].shard.stats_role.counts)
+                       multiplier=by_factor[id(group[0].shard.unscale_factor)],
+                       counts_stats=group[0].shard.stats_role.counts)
             for group in members.values()
         ]
 
@@ -88,13 +96,12 @@ class OptimizerLeaf:
     # ----------------------------------------------------------------- the leaf protocol (StepDriver calls these)
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None:
         """Pass 1 over every owned shard, one call per launch plan: stats += [non-finite, sum of squares, zeros]."""
-        self._inv_scale = {}
+        for multiplier in self.multipliers:
+            multiplier.stage(loss_scale)
         for lp in self.launch_plans:
-            if id(lp.unscale_factor) not in self._inv_scale:
-                self._inv_scale[id(lp.unscale_factor)] = lp.unscale_factor / loss_scale
             if lp.counts_stats:
-                ops.grad_stats_planned(lp.step_plan, self._inv_scale[id(lp.unscale_factor)], stats[: ops.NUM_STATS],
-                                       count_zeros, backend=self.backend)
+                ops.grad_stats(lp.step_plan, lp.multiplier.inv_scale, stats[: ops.NUM_STATS], count_zeros,
+                               backend=self.backend)
 
     def stage_hyperparams(self) -> torch.Tensor:
         """Copy the param_groups' lr and weight decay into the device table (only when one changed)."""
@@ -109,11 +116,10 @@ class OptimizerLeaf:
         if not self.launch_plans:
             return
         lr_wd = self.stage_hyperparams()
-        # Scale and clip are folded into one fp32 multiplier here, and only here (one rounding, the
-        # same on every backend); the ops take that one multiplier.
-        multipliers = {k: inv if clip_coef is None else inv * clip_coef for k, inv in self._inv_scale.items()}
+        for multiplier in self.multipliers:
+            multiplier.fold_clip(clip_coef)
         for lp in self.launch_plans:
-            self.rule.apply(lp.step_plan, lr_wd=lr_wd, grad_scale=multipliers[id(lp.unscale_factor)], step=self.step,
+            self.rule.apply(lp.step_plan, lr_wd=lr_wd, grad_scale=lp.multiplier.update_scale, step=self.step,
                             backend=self.backend, found_inf=found_inf)
 
     def start_param_sync(self, force_sync: bool = False) -> None:

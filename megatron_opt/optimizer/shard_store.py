@@ -23,7 +23,7 @@ from ..distributed.shard_view import GradSource, LocalShard, with_tensor_paralle
 from ..ops import precision
 from ..ops.piece_table import PieceTable
 from .param_groups import group_weight_decay
-from .update_rules import UpdateRule
+from .rules.base import UpdateRule
 
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce",
                    "sequence_parallel", "grad_norm_group")

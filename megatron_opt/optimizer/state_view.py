@@ -20,7 +20,7 @@ from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkabl
 import torch
 
 from ..distributed.shard_view import GradSource
-from .update_rules import UpdateRule
+from .rules.base import UpdateRule
 
 MASTER = "master"
 

@@ -8,7 +8,8 @@ stats group) it derives, on the device and with no host synchronisation:
     element, or a squared norm that overflowed), NORM_OVER_THRESHOLD (grad_norm_skip_threshold);
   * ``grad_norm``: the unscaled global L2 norm, before clipping;
   * ``skip``: the fp32 flag the pass-2 ops read (nonzero: write nothing);
-  * the clip coefficient ``min(1, clip_grad / (norm + 1e-6))`` as an fp32 scalar.
+  * the clip coefficient ``min(1, clip_grad / (norm + 1e-6))`` (``clip_coefficient``, the formula's one
+    owner: verify mode recomputes the step with it too) as an fp32 scalar.
 
 The CUDA-graph step uses these tensors as they are; the host API (prepare_grads, get_grad_norm, ...)
 reads them once per step with ``read()``.
@@ -23,6 +24,13 @@ import torch
 from torch.profiler import record_function
 
 from . import stats as grad_stats
+
+
+def clip_coefficient(grad_norm: torch.Tensor, clip_grad: float) -> torch.Tensor:
+    """min(1, clip_grad / (norm + 1e-6)) in float64 (Megatron-LM's clip_grad_by_total_norm_fp32), on
+    the norm's device; a NaN norm gives 1 (such a step is skipped anyway)."""
+    coef = clip_grad / (grad_norm.double() + 1.0e-6)
+    return torch.where(coef < 1.0, coef, torch.ones_like(coef))
 
 
 class Verdict(enum.IntEnum):
@@ -82,9 +90,8 @@ class StepDecision:
         self.skip.copy_((verdict != Verdict.APPLY).reshape(1))
 
     def clip_coefficient(self, clip_grad: float) -> torch.Tensor:
-        """min(1, clip_grad / (norm + 1e-6)) as an fp32 device scalar (the norm in float64)."""
-        coef = clip_grad / (self.grad_norm + 1.0e-6)
-        return torch.where(coef < 1.0, coef, torch.ones_like(coef)).float()
+        """This step's clip coefficient as an fp32 device scalar (the norm in float64)."""
+        return clip_coefficient(self.grad_norm, clip_grad).float()
 
     def read(self) -> DecisionRead:
         """The decision on the host: the step's one synchronisation."""
@@ -94,4 +101,4 @@ class StepDecision:
                             missing_backward=int(values[grad_stats.STAT_MISSING_BACKWARD]))
 
 
-__all__ = ["StepDecision", "DecisionRead", "Verdict"]
+__all__ = ["StepDecision", "DecisionRead", "Verdict", "clip_coefficient"]

@@ -37,7 +37,8 @@ from .float64_update import Float64Inputs, Float64Update
 from .replica_check import (Checksums, localise, mismatched_buckets, replicated_across_tensor_parallel,
                             tensor_parallel_group)
 from .shard_store import OwnedShard
-from .update_rules import UpdateRule
+from .step_decision import clip_coefficient
+from .rules.base import UpdateRule
 
 logger = logging.getLogger("megatron_opt")
 
@@ -152,6 +153,15 @@ def _diffs(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return float(diff.max()), float(rel.max())
 
 
+def _piece_finding(check: str, name: str, rank: int, got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor,
+                   describe: Callable[[int, int], str]) -> Finding:
+    """The finding of one piece whose elements ``bad`` (a mask over the piece's ``got`` / ``want``) failed
+    ``check``; ``describe(count, first)`` words it from the bad count and the first bad index."""
+    first = int(bad.nonzero()[0])
+    abs_diff, rel_diff = _diffs(got[bad], want[bad])
+    return Finding(check, name, rank, abs_diff, rel_diff, describe(int(bad.sum()), first))
+
+
 # ---------------------------------------------------------------------------------------------- cast
 def _cast_of_master(s: OwnedShard) -> torch.Tensor:
     """What the shard's 16-bit param must hold: its master cast to the param dtype, as pass 2 stores it."""
@@ -173,15 +183,13 @@ def cast_findings(shards: Sequence[OwnedShard], rank: int) -> list[Finding]:
         if not count:
             continue
         for name, a, b, element in _pieces_in(s, 0, s.table.numel):
-            bad = _words(s.param_out[a:b]) != _words(want[a:b])
+            got, cast = s.param_out[a:b], want[a:b]
+            bad = _words(got) != _words(cast)
             if bool(bad.any()):
-                first = int(bad.nonzero()[0])
-                abs_diff, rel_diff = _diffs(s.param_out[a:b][bad], want[a:b][bad])
-                findings.append(Finding(
-                    "cast", name, rank, abs_diff, rel_diff,
-                    f"{int(bad.sum())} of {b - a} owned elements no longer equal their master cast to "
-                    f"{str(s.param_out.dtype).replace('torch.', '')} (first at element {element + first}: param "
-                    f"{s.param_out[a + first].item()!r}, master cast {want[a + first].item()!r})"))
+                findings.append(_piece_finding("cast", name, rank, got, cast, bad, lambda count, first: (
+                    f"{count} of {b - a} owned elements no longer equal their master cast to "
+                    f"{str(got.dtype).replace('torch.', '')} (first at element {element + first}: param "
+                    f"{got[first].item()!r}, master cast {cast[first].item()!r})")))
     return findings
 
 
@@ -242,18 +250,15 @@ def _update_detail(s: OwnedShard, ctx: _UpdateContext, c: _ShardCopy, lo: int, h
     findings = []
     for tensor, (bad, got, want, tol) in _chunk_check(s, c, ctx, lo, hi, gid, refine=True).items():
         for name, a, b, element in _pieces_in(s, lo, hi):
-            piece_bad = bad[a - lo : b - lo]
+            sel = slice(a - lo, b - lo)
+            piece_bad = bad[sel]
             if not bool(piece_bad.any()):
                 continue
-            first = int(piece_bad.nonzero()[0])
-            i = a - lo + first
-            sel = slice(a - lo, b - lo)
-            abs_diff, rel_diff = _diffs(got[sel][piece_bad], want[sel][piece_bad])
-            findings.append(Finding(
-                "update", name, rank, abs_diff, rel_diff,
-                f"{int(piece_bad.sum())} of {b - a} owned elements of its {tensor} differ from the float64 "
-                f"recomputation by more than the tolerance (first at element {element + first}: "
-                f"{got[i].item()!r} instead of {want[i].item()!r} +- {tol[i].item():.3g})"))
+            p_got, p_want, p_tol = got[sel], want[sel], tol[sel]
+            findings.append(_piece_finding("update", name, rank, p_got, p_want, piece_bad, lambda count, first: (
+                f"{count} of {b - a} owned elements of its {tensor} differ from the float64 recomputation by more "
+                f"than the tolerance (first at element {element + first}: {p_got[first].item()!r} instead of "
+                f"{p_want[first].item()!r} +- {p_tol[first].item():.3g})")))
     return findings
 
 
@@ -286,12 +291,10 @@ def unchanged_findings(shards: Sequence[OwnedShard], copies: Sequence[_ShardCopy
             for name, a, b, element in _pieces_in(s, 0, s.table.numel):
                 piece = changed[a:b]
                 if bool(piece.any()):
-                    first = int(piece.nonzero()[0])
-                    abs_diff, rel_diff = _diffs(now[a:b][piece].float(), before[a:b][piece].float())
-                    findings.append(Finding(
-                        "update", name, rank, abs_diff, rel_diff,
-                        f"the step was skipped but {int(piece.sum())} of {b - a} owned elements of its {tensor} "
-                        f"changed (first at element {element + first})"))
+                    findings.append(_piece_finding(
+                        "update", name, rank, now[a:b].float(), before[a:b].float(), piece, lambda count, first: (
+                            f"the step was skipped but {count} of {b - a} owned elements of its {tensor} changed "
+                            f"(first at element {element + first})")))
     return findings
 
 
@@ -372,8 +375,8 @@ class StepVerifier:
         findings = list(pending.findings)
         applied = not bool(skipped.reshape(-1)[0] != 0)
         clip = torch.ones((), dtype=torch.float64, device=grad_norm.device)
-        if applied and clip_grad > 0.0:
-            clip = torch.clamp(clip_grad / (grad_norm.reshape(-1)[0].double() + 1.0e-6), max=1.0)
+        if applied and clip_grad > 0.0:  # an applied step has a finite norm: the coefficient is exact here
+            clip = clip_coefficient(grad_norm.reshape(-1)[0], clip_grad)
         for leaf, recompute, step_before, copies in zip(self.leaves, self._recompute, pending.steps, pending.shards):
             expected_step = int(step_before.reshape(-1)[0]) + (1 if applied else 0)
             if int(leaf.step.reshape(-1)[0]) != expected_step:

@@ -65,7 +65,7 @@ def rule01_prepare_once() -> dict:
         ref = fp64_copy(model)
         ddp, opt = build(model, loss_scale=1024.0, clip_grad=1.0)
         calls = {"stats": 0, "update": 0}
-        real_stats, real_update = ops.grad_stats_planned, opt.grad_scaler.update
+        real_stats, real_update = ops.grad_stats, opt.grad_scaler.update
 
         def counting_stats(plan, *a, **k):  # one call per launch group: count the shards it covers
             calls["stats"] += len(plan.shards)
@@ -75,7 +75,7 @@ def rule01_prepare_once() -> dict:
             calls["update"] += 1
             return real_update(*a, **k)
 
-        ops.grad_stats_planned, opt.grad_scaler.update = counting_stats, counting_update
+        ops.grad_stats, opt.grad_scaler.update = counting_stats, counting_update
         try:
             ddp.zero_grad_buffer()
             opt.zero_grad()
@@ -100,7 +100,7 @@ def rule01_prepare_once() -> dict:
                 success, norm, _ = opt.step()
                 assert success
         finally:
-            ops.grad_stats_planned, opt.grad_scaler.update = real_stats, real_update
+            ops.grad_stats, opt.grad_scaler.update = real_stats, real_update
         unchanged = all(torch.equal(a, b.grad_data) for a, b in zip(grads_before, ddp.buffers))
         ref_loss = sum(_lm_loss(ref, b)[0] for bs in all_batches for b in bs) / n_global
         ref_loss.backward()

@@ -10,6 +10,7 @@ import torch
 
 import megatron_opt as mo
 import megatron_opt.ops as ops
+from megatron_opt.optimizer.rules import SGDStep
 from tests.support.common import TinyLM, build
 
 from tests.distributed import cases_boundary
@@ -130,11 +131,11 @@ class _HalfStepSGD(mo.UpdateRule):
         return {"calls": torch.float64}
 
     def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None):
-        lr, wd = lr_wd[:, 0].tolist(), lr_wd[:, 1].tolist()
+        half = ops.lr_wd_table((lr_wd[:, 0] / 2).tolist(), lr_wd[:, 1].tolist(), lr_wd.device)
         for s in plan.shards:  # shard state: state_dtypes()'s tensors in order
             s.state[0].add_(1)
-            ops.sgd_step(s.grad, s.master, None, s.param_out, s.table, lr=[x / 2 for x in lr], weight_decay=wd,
-                         grad_scale=grad_scale, momentum=0.0, backend=backend)
+            ops.update(ops.StepPlan((ops.ShardOperands(s.table, s.grad, s.master, (), s.param_out),)),
+                       SGDStep(grad_scale=grad_scale, momentum=0.0), lr_wd=half, backend=backend)
 
 
 def test_a_custom_update_rule_is_one_class():
@@ -176,7 +177,8 @@ def test_ops_backend_is_an_argument_and_the_environment_overrides_it(monkeypatch
     results = {}
     for backend in ("cpu", "reference"):
         stats = torch.zeros(3, dtype=torch.float64)
-        ops.grad_stats(grad, table, torch.ones(1), stats, True, backend=backend)
+        ops.grad_stats(ops.StepPlan((ops.ShardOperands(table, grad),), update=False), torch.ones(1), stats, True,
+                       backend=backend)
         results[backend] = stats
     assert torch.allclose(results["cpu"], results["reference"], rtol=1e-12)
     assert ops.resolve_backend(grad) == "cpu"
@@ -188,7 +190,8 @@ def test_ops_backend_is_an_argument_and_the_environment_overrides_it(monkeypatch
         ops.resolve_backend(grad)
     monkeypatch.delenv("MEGATRON_OPT_OPS")
     with pytest.raises(ValueError, match="backend='gpu'"):
-        ops.grad_stats(grad, table, torch.ones(1), torch.zeros(3, dtype=torch.float64), backend="gpu")
+        ops.grad_stats(ops.StepPlan((ops.ShardOperands(table, grad),), update=False), torch.ones(1),
+                       torch.zeros(3, dtype=torch.float64), backend="gpu")
 
 
 # ----------------------------------------------------------------------------- profiler ranges

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
+import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
@@ -238,7 +239,7 @@ def test_reference_grad_stats(n, layout, dtype, specials):
     grad = make_grad(table, dtype, seed=n, specials=specials)
     inv = torch.tensor([0.25])
     stats = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # accumulates
-    ops.grad_stats(grad, table, inv, stats, backend="reference")
+    front.grad_stats(grad, table, inv, stats, backend="reference")
     nf, ss, z = oracle_stats(grad, table, 0.25)
     assert_stats(stats - torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64), (nf, ss, z), "reference")
 
@@ -248,7 +249,7 @@ def test_reference_grad_stats_count_zeros_flag(count_zeros):
     table = gapped_table(1000)
     grad = make_grad(table, torch.float32, seed=1)
     stats = torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, torch.tensor([1.0]), stats, count_zeros=count_zeros, backend="reference")
+    front.grad_stats(grad, table, torch.tensor([1.0]), stats, count_zeros=count_zeros, backend="reference")
     assert_stats(stats, oracle_stats(grad, table, 1.0, count_zeros))
     assert (stats[2] > 0) == count_zeros
 
@@ -260,7 +261,7 @@ def test_reference_excluded_pieces_not_in_norm():
     grad[10:20] = 1e6  # excluded: must not reach the norm
     grad[30:33] = 2.0
     stats = torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
+    front.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
     assert stats[1].item() == pytest.approx(0.25 * (8 * 1.0 + 3 * 4.0))
     assert stats[0].item() == 0 and stats[2].item() == 0
 
@@ -282,7 +283,7 @@ def test_reference_adamw(n, layout, gdtype, pdtype):
     param_out = None if pdtype is None else torch.zeros(n, dtype=pdtype)
     gs, step = 0.5, 3
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, gs, step)
-    ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([gs]),
+    front.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([gs]),
                    step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(v, V, "exp_avg_sq")
@@ -302,7 +303,7 @@ def test_reference_sgd(n, layout, gdtype, momentum, nesterov):
     buf = buf if momentum else None
     param_out = torch.zeros(n, dtype=torch.bfloat16)
     W, B = oracle_sgd(grad, master, buf, table, LR, WD, 2.0, momentum, nesterov)
-    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([2.0]),
+    front.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([2.0]),
                  momentum=momentum, nesterov=nesterov, backend="reference")
     assert_fp32_close(master, W, "master")
     if buf is not None:
@@ -325,12 +326,12 @@ def test_reference_found_inf_skips_everything(found):
     param_out = master.to(torch.bfloat16)
     flag = torch.tensor([found])
     before = snapshot(master, m, v, param_out)
-    ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
+    front.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
                    step=torch.tensor([1]), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=flag, backend="reference")
     assert_bitwise_unchanged(before, [master, m, v, param_out], ["master", "exp_avg", "exp_avg_sq", "param_out"])
     buf = torch.randn(5000)
     before = snapshot(master, buf, param_out)
-    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
+    front.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([1.0]),
                  momentum=0.9, found_inf=flag, backend="reference")
     assert_bitwise_unchanged(before, [master, buf, param_out], ["master", "momentum_buffer", "param_out"])
 
@@ -349,7 +350,7 @@ def test_reference_adamw_matches_torch_adamw_trajectory():
         p.grad = g.clone()
         opt.step()
         ops.advance_step(step, backend="reference")
-        ops.adamw_step(g, master, m, v, None, table, lr=[1e-2], weight_decay=[0.1], grad_scale=torch.ones(1),
+        front.adamw_step(g, master, m, v, None, table, lr=[1e-2], weight_decay=[0.1], grad_scale=torch.ones(1),
                        step=step, beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     _assert_within(master, p.detach(), rtol=1e-5, atol=1e-6, what="master vs torch")
     _assert_within(m, opt.state[p]["exp_avg"], rtol=1e-5, atol=1e-7, what="exp_avg vs torch")
@@ -366,7 +367,7 @@ def test_reference_sgd_matches_torch_sgd_trajectory():
         g = torch.randn(n, generator=gen)
         p.grad = g.clone()
         opt.step()
-        ops.sgd_step(g, master, buf, None, table, lr=[1e-2], weight_decay=[0.01], grad_scale=torch.ones(1),
+        front.sgd_step(g, master, buf, None, table, lr=[1e-2], weight_decay=[0.01], grad_scale=torch.ones(1),
                      momentum=0.9, nesterov=True, backend="reference")
     _assert_within(master, p.detach(), rtol=1e-5, atol=1e-6, what="master vs torch")
 
@@ -391,11 +392,11 @@ def random_tables(draw):
 def test_reference_random_tables(table, dtype, seed):
     grad = make_grad(table, dtype, seed=seed, finite_specials=True)
     stats = torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
+    front.grad_stats(grad, table, torch.tensor([0.5]), stats, backend="reference")
     assert_stats(stats, oracle_stats(grad, table, 0.5))
     master, m, v = make_state(table, seed=seed)
     W, M, V = oracle_adamw(grad, master, m, v, table, LR, WD, 1.0, 2)
-    ops.adamw_step(grad, master, m, v, None, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
+    front.adamw_step(grad, master, m, v, None, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
                    step=torch.tensor([2]), beta1=BETA1, beta2=BETA2, eps=EPS, backend="reference")
     assert_fp32_close(master, W, "master")
     assert_fp32_close(v, V, "exp_avg_sq")
@@ -435,11 +436,11 @@ PASS2_RULES = ["adamw", "sgd", "sgd-momentum", "sgd-nesterov"]
 def _pass2(backend, rule: str, grad, state, param_out, table, step: int) -> None:
     master, a, b = state
     if rule == "adamw":
-        ops.adamw_step(grad, master, a, b, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([0.5]),
+        front.adamw_step(grad, master, a, b, param_out, table, lr=LR, weight_decay=WD, grad_scale=torch.tensor([0.5]),
                        step=torch.tensor([step]), beta1=BETA1, beta2=BETA2, eps=EPS, backend=backend)
     else:
         momentum = 0.0 if rule == "sgd" else 0.9
-        ops.sgd_step(grad, master, a if momentum else None, param_out, table, lr=LR, weight_decay=WD,
+        front.sgd_step(grad, master, a if momentum else None, param_out, table, lr=LR, weight_decay=WD,
                      grad_scale=torch.tensor([0.5]), momentum=momentum, nesterov=rule == "sgd-nesterov",
                      backend=backend)
 
@@ -507,8 +508,8 @@ def test_grad_stats_ignore_gap_garbage(backend, tname, dtype, specials, kind):
     before = dirty.clone()
     for count_zeros in (True, False):
         s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-        ops.grad_stats(grad, table, torch.tensor([0.25]), s_clean, count_zeros, backend=backend)
-        ops.grad_stats(dirty, table, torch.tensor([0.25]), s_dirty, count_zeros, backend=backend)
+        front.grad_stats(grad, table, torch.tensor([0.25]), s_clean, count_zeros, backend=backend)
+        front.grad_stats(dirty, table, torch.tensor([0.25]), s_dirty, count_zeros, backend=backend)
         assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
         assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), backend)
     assert torch.equal(as_bits(dirty), as_bits(before)), "grad written"
@@ -521,8 +522,8 @@ def test_random_tables_gap_garbage(table, dtype, seed, backend, rule):
     grad = make_grad(table, dtype, seed=seed, finite_specials=True)
     dirty = with_gap_garbage(grad, table, seed=seed + 1)
     s_clean, s_dirty = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, torch.tensor([0.5]), s_clean, backend=backend)
-    ops.grad_stats(dirty, table, torch.tensor([0.5]), s_dirty, backend=backend)
+    front.grad_stats(grad, table, torch.tensor([0.5]), s_clean, backend=backend)
+    front.grad_stats(dirty, table, torch.tensor([0.5]), s_dirty, backend=backend)
     assert torch.equal(as_bits(s_dirty), as_bits(s_clean))
     check_pass2_gap_garbage(backend, rule, table, dtype, torch.bfloat16, seed=seed, steps=1)
 
@@ -566,16 +567,16 @@ def test_cuda_grad_stats(n, layout, dtype, specials):
     inv = _scalar(0.25)
     base = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, device=DEV)
     stats = base.clone()
-    ops.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
     want = oracle_stats(grad, table, 0.25)
     assert_stats(stats - base, want, "kernel vs oracle")
     stats_ref = base.clone()
-    ops.grad_stats(grad, table, inv, stats_ref, backend="reference")
+    front.grad_stats(grad, table, inv, stats_ref, backend="reference")
     assert torch.equal(stats[0], stats_ref[0]) and torch.equal(stats[2], stats_ref[2])
     if want[0] == 0:
         _assert_within(stats[1:2], stats_ref[1:2], rtol=2e-5, atol=0.0, what="sumsq vs reference")
     stats2 = base.clone()
-    ops.grad_stats(grad, table, inv, stats2, backend=CUDA_EXT)
+    front.grad_stats(grad, table, inv, stats2, backend=CUDA_EXT)
     assert torch.equal(stats.view(torch.int64), stats2.view(torch.int64)), "two runs differ"
 
 
@@ -587,7 +588,7 @@ def test_cuda_grad_stats_flags_and_views(count_zeros, offset):
     table = gapped_table(70001)
     grad = _offset_view(make_grad(table, torch.bfloat16, seed=4, specials=True, device=DEV), offset)
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(grad, table, _scalar(2.0), stats, count_zeros=count_zeros, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(2.0), stats, count_zeros=count_zeros, backend=CUDA_EXT)
     assert_stats(stats, oracle_stats(grad, table, 2.0, count_zeros))
 
 
@@ -598,16 +599,16 @@ def test_cuda_grad_stats_excluded_pieces_not_in_norm():
     grad = torch.zeros(40, device=DEV)
     grad[0:8], grad[10:20], grad[30:33] = 1.0, 1e6, 2.0
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 0.0 and stats[2].item() == 0.0
     assert stats[1].item() == pytest.approx(0.25 * (8 * 1.0 + 3 * 4.0), rel=1e-6)
     grad[12] = math.inf  # excluded from the norm, still counted as non-finite
-    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 1.0 and math.isfinite(stats[1].item())
 
 
 def _run_adamw(backend, grad, master, m, v, param_out, table, gs, step, lr=LR, wd=WD, found=None):
-    ops.adamw_step(grad, master, m, v, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
+    front.adamw_step(grad, master, m, v, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
                    step=_scalar(step, torch.int64), beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=found, backend=backend)
 
 
@@ -697,7 +698,7 @@ def test_cuda_sgd_gaps_untouched(tname, gdtype, rule, pdtype):
     before = snapshot(dirty_grad, *dirty, dirty_po)
 
     def run(backend, g, w, b, po):
-        ops.sgd_step(g, w, b, po, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0), momentum=momentum,
+        front.sgd_step(g, w, b, po, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0), momentum=momentum,
                      nesterov=nesterov, backend=backend)
 
     run(CUDA_EXT, grad, *clean, clean_po)
@@ -730,9 +731,9 @@ def test_cuda_grad_stats_ignore_gap_garbage(tname, dtype, specials):
     before = dirty.clone()
     for count_zeros in (True, False):
         s_clean, s_dirty, s_ref = (torch.zeros(3, dtype=torch.float64, device=DEV) for _ in range(3))
-        ops.grad_stats(grad, table, _scalar(0.25), s_clean, count_zeros, backend=CUDA_EXT)
-        ops.grad_stats(dirty, table, _scalar(0.25), s_dirty, count_zeros, backend=CUDA_EXT)
-        ops.grad_stats(dirty, table, _scalar(0.25), s_ref, count_zeros, backend="reference")
+        front.grad_stats(grad, table, _scalar(0.25), s_clean, count_zeros, backend=CUDA_EXT)
+        front.grad_stats(dirty, table, _scalar(0.25), s_dirty, count_zeros, backend=CUDA_EXT)
+        front.grad_stats(dirty, table, _scalar(0.25), s_ref, count_zeros, backend="reference")
         assert torch.equal(as_bits(s_dirty), as_bits(s_clean)), f"{s_dirty.tolist()} != {s_clean.tolist()}"
         assert_stats(s_dirty, oracle_stats(grad, table, 0.25, count_zeros), "kernel")
         assert torch.equal(s_dirty[0], s_ref[0]) and torch.equal(s_dirty[2], s_ref[2])
@@ -798,14 +799,14 @@ def test_cuda_sgd(n, layout, gdtype, momentum, nesterov, pdtype):
     param_out = None if pdtype is None else torch.zeros(n, dtype=pdtype, device=DEV)
     W, B = oracle_sgd(grad, master, buf, table, LR, WD, 2.0, momentum, nesterov)
     r = snapshot(master, buf, param_out)
-    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
+    front.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
                  momentum=momentum, nesterov=nesterov, backend=CUDA_EXT)
     assert_fp32_close(master, W, "master")
     if buf is not None:
         assert_fp32_close(buf, B, "momentum_buffer")
     if param_out is not None:
         assert_param_out(param_out, master, W)
-    ops.sgd_step(grad, r[0], r[1], r[2], table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
+    front.sgd_step(grad, r[0], r[1], r[2], table, lr=LR, weight_decay=WD, grad_scale=_scalar(2.0),
                  momentum=momentum, nesterov=nesterov, backend="reference")
     atol = 1e-7 * float(r[0].abs().max())
     _assert_within(master, r[0], rtol=1e-6, atol=atol, what="master vs reference")
@@ -836,7 +837,7 @@ def test_cuda_found_inf_skips_everything(found):
                              ["master", "exp_avg", "exp_avg_sq", "param_out", "grad"])
     buf = torch.randn(table.numel, device=DEV)
     before = snapshot(master, buf, param_out)
-    ops.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
+    front.sgd_step(grad, master, buf, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
                  momentum=0.9, found_inf=flag, backend=CUDA_EXT)
     assert_bitwise_unchanged(before, [master, buf, param_out], ["master", "momentum_buffer", "param_out"])
     # a zero flag runs the step
@@ -852,7 +853,7 @@ def test_cuda_large_shard(gdtype):
     table = gapped_table(3_000_017)
     grad = make_grad(table, gdtype, seed=21, device=DEV)
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert_stats(stats, oracle_stats(grad, table, 0.5))
     master, m, v = make_state(table, seed=21, device=DEV)
     param_out = torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV)
@@ -883,11 +884,11 @@ def test_cuda_grad_stats_beyond_int32():
     grad[n - 4] = math.inf
     grad[n - 10] = 0.0
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     assert stats[0].item() == 1.0 and stats[2].item() == 1.0
     grad[n - 4] = 1.0
     stats.zero_()
-    ops.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
+    front.grad_stats(grad, table, _scalar(0.5), stats, backend=CUDA_EXT)
     covered = table.covered
     assert stats[1].item() == pytest.approx(0.25 * (covered - 1), rel=1e-6)
 
@@ -907,9 +908,9 @@ def test_cuda_graph_capture_and_replay():
 
     def one_step():
         stats.zero_()
-        ops.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
+        front.grad_stats(grad, table, inv, stats, backend=CUDA_EXT)
         ops.advance_step(step, backend=CUDA_EXT)
-        ops.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=gs, step=step,
+        front.adamw_step(grad, master, m, v, param_out, table, lr=LR, weight_decay=WD, grad_scale=gs, step=step,
                        beta1=BETA1, beta2=BETA2, eps=EPS, backend=CUDA_EXT)
 
     def restore():
@@ -961,19 +962,19 @@ def test_wrapper_arguments_reach_the_extension(monkeypatch):
     stats = torch.zeros(3, dtype=torch.float64)
     cuda_only = pytest.raises(RuntimeError, match="must be a CUDA tensor")
     with cuda_only:
-        ops.grad_stats(torch.zeros(n, dtype=torch.bfloat16), table, one, stats, count_zeros=False, backend=CUDA_EXT)
+        front.grad_stats(torch.zeros(n, dtype=torch.bfloat16), table, one, stats, count_zeros=False, backend=CUDA_EXT)
     for po in (None, torch.zeros(n, dtype=torch.bfloat16)):
         with cuda_only:
-            ops.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
+            front.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
                            step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=None, backend=CUDA_EXT)
         with cuda_only:
-            ops.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
+            front.adamw_step(f32(), f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one,
                            step=step, beta1=BETA1, beta2=BETA2, eps=EPS, found_inf=torch.zeros(1), backend=CUDA_EXT)
         with cuda_only:
-            ops.sgd_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.9,
+            front.sgd_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.9,
                          nesterov=True, found_inf=torch.zeros(1), backend=CUDA_EXT)
         with cuda_only:
-            ops.sgd_step(f32(), f32(), None, po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.0,
+            front.sgd_step(f32(), f32(), None, po, table, lr=LR, weight_decay=WD, grad_scale=one, momentum=0.0,
                          backend=CUDA_EXT)
     with cuda_only:
         cuda_wrapper.kernels.advance_step(step, None)
@@ -988,34 +989,34 @@ def test_wrapper_validation(wrapper):
     one = torch.ones(1, device=dev)
     stats = torch.zeros(3, dtype=torch.float64, device=dev)
     with pytest.raises(TypeError, match="dtype"):
-        ops.grad_stats(grad.double(), table, one, stats, backend=backend)
+        front.grad_stats(grad.double(), table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="elements"):
-        ops.grad_stats(grad[:8], table, one, stats, backend=backend)
+        front.grad_stats(grad[:8], table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="contiguous"):
-        ops.grad_stats(torch.zeros(32, device=dev)[::2], table, one, stats, backend=backend)
+        front.grad_stats(torch.zeros(32, device=dev)[::2], table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="1-D"):
-        ops.grad_stats(torch.zeros(4, 4, device=dev), table, one, stats, backend=backend)
+        front.grad_stats(torch.zeros(4, 4, device=dev), table, one, stats, backend=backend)
     with pytest.raises(ValueError, match="one element"):
-        ops.grad_stats(grad, table, torch.ones(2, device=dev), stats, backend=backend)
+        front.grad_stats(grad, table, torch.ones(2, device=dev), stats, backend=backend)
     with pytest.raises(TypeError, match="float64"):
-        ops.grad_stats(grad, table, one, stats.float(), backend=backend)
+        front.grad_stats(grad, table, one, stats.float(), backend=backend)
     master, m, v = (torch.zeros(16, device=dev) for _ in range(3))
     step = torch.ones(1, dtype=torch.int64, device=dev)
     kw = dict(grad_scale=one, step=step, beta1=BETA1, beta2=BETA2, eps=EPS)
     with pytest.raises(ValueError, match="group"):
-        ops.adamw_step(grad, master, m, v, None, table, lr=[], weight_decay=[], **kw, backend=backend)
+        front.adamw_step(grad, master, m, v, None, table, lr=[], weight_decay=[], **kw, backend=backend)
     with pytest.raises(ValueError, match="entries"):
-        ops.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0, 1.0], **kw, backend=backend)
+        front.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0, 1.0], **kw, backend=backend)
     with pytest.raises(TypeError, match="int64"):
-        ops.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0],
+        front.adamw_step(grad, master, m, v, None, table, lr=[1.0], weight_decay=[0.0],
                        **{**kw, "step": torch.ones(1, device=dev)}, backend=backend)
     with pytest.raises(ValueError, match="overlap"):
-        ops.adamw_step(grad, master, master, v, None, table, lr=[1.0], weight_decay=[0.0], **kw, backend=backend)
+        front.adamw_step(grad, master, master, v, None, table, lr=[1.0], weight_decay=[0.0], **kw, backend=backend)
     with pytest.raises(TypeError, match="dtype"):
-        ops.adamw_step(grad, master, m, v, torch.zeros(16, dtype=torch.float64, device=dev), table, lr=[1.0],
+        front.adamw_step(grad, master, m, v, torch.zeros(16, dtype=torch.float64, device=dev), table, lr=[1.0],
                        weight_decay=[0.0], **kw, backend=backend)
     with pytest.raises(ValueError, match="momentum buffer"):
-        ops.sgd_step(grad, master, None, None, table, lr=[1.0], weight_decay=[0.0], grad_scale=one, momentum=0.9,
+        front.sgd_step(grad, master, None, None, table, lr=[1.0], weight_decay=[0.0], grad_scale=one, momentum=0.9,
                      backend=backend)
     with pytest.raises(ValueError, match="CUDA"):
         ops.advance_step(torch.ones(1, dtype=torch.int64), backend=backend)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import megatron_opt.ops as ops
+import front
 from megatron_opt.ops.piece_table import PieceTable
 
 torch.set_num_threads(1)
@@ -36,8 +36,8 @@ def test_grad_stats_matches_reference(dtype, poison):
     grad = _grad(5000, dtype, table, 2, poison)
     inv = torch.tensor([0.25])
     ours, ref = torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, inv, ours, backend="cpu")
-    ops.grad_stats(grad, table, inv, ref, backend="reference")
+    front.grad_stats(grad, table, inv, ours, backend="cpu")
+    front.grad_stats(grad, table, inv, ref, backend="reference")
     assert ours[0] == ref[0] and ours[2] == ref[2]
     if poison is None:
         assert ours[0] == 0 and ours[1].item() == pytest.approx(ref[1].item(), rel=1e-12)
@@ -50,7 +50,7 @@ def test_excluded_piece_inf_is_still_found():
     grad = _grad(3000, torch.float32, table, 4)
     grad[table.starts[1]] = float("inf")  # piece 1 is not counted in the norm
     stats = torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats(grad, table, torch.tensor([1.0]), stats, backend="cpu")
+    front.grad_stats(grad, table, torch.tensor([1.0]), stats, backend="cpu")
     assert stats[0] == 1 and torch.isfinite(stats[1])
 
 
@@ -68,7 +68,7 @@ def test_adamw_matches_reference(param_dtype, grad_dtype):
         for t in range(3):
             grad = _grad(numel, grad_dtype, table, 10 + t)
             step.add_(1)
-            ops.adamw_step(grad, master, m, v, out, table, lr=[1e-2, 3e-3], weight_decay=[0.1, 0.0],
+            front.adamw_step(grad, master, m, v, out, table, lr=[1e-2, 3e-3], weight_decay=[0.1, 0.0],
                            grad_scale=torch.tensor([0.5]), step=step, beta1=0.9, beta2=0.95, eps=1e-8, backend=backend)
         states.append((master, m, v, out))
     (w1, m1, v1, o1), (w2, m2, v2, o2) = states
@@ -87,7 +87,7 @@ def test_adamw_found_inf_writes_nothing():
     table = _table(1000, 8)
     master, m, v = torch.randn(1000), torch.rand(1000), torch.rand(1000)
     before = [t.clone() for t in (master, m, v)]
-    ops.adamw_step(_grad(1000, torch.float32, table, 9), master, m, v, None, table, lr=[1e-2, 1e-2],
+    front.adamw_step(_grad(1000, torch.float32, table, 9), master, m, v, None, table, lr=[1e-2, 1e-2],
                    weight_decay=[0.1, 0.1], grad_scale=torch.tensor([1.0]), step=torch.ones(1, dtype=torch.int64),
                    beta1=0.9, beta2=0.999, eps=1e-8, found_inf=torch.ones(1), backend="cpu")
     assert all(torch.equal(a, b) for a, b in zip(before, (master, m, v)))
@@ -123,7 +123,7 @@ def test_adamw_16_bit_state_matches_reference(state_dtype, master_kind, stochast
         step = torch.zeros(1, dtype=torch.int64)
         for t in range(3):
             step.add_(1)
-            ops.adamw_step(_grad(numel, torch.float32, table, 10 + t), master, m, v, out, table, lr=[1e-2, 3e-3],
+            front.adamw_step(_grad(numel, torch.float32, table, 10 + t), master, m, v, out, table, lr=[1e-2, 3e-3],
                            weight_decay=[0.1, 0.0], grad_scale=torch.tensor([0.5]), step=step, beta1=0.9, beta2=0.95,
                            eps=1e-8, stochastic_rounding=stochastic, backend=backend)
         for a, b in zip(before, (master, m, v, out)):

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
+import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
 from common import assert_within as _assert_within
@@ -184,7 +185,7 @@ def test_reference_lion_matches_closed_form_over_steps(n, layout, gdtype, pdtype
         grad = make_grad(table, gdtype, seed=100 * n + t)
         gs = (0.5, 2.0, 1.0)[t % 3]
         W, M, tie = oracle_lion(grad, W, M, table, lr, wd, gs, beta1, beta2, tie)
-        ops.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
+        front.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs),
                       beta1=beta1, beta2=beta2, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
@@ -203,7 +204,7 @@ def test_reference_lion_sign_of_zero_and_group_lr():
     master = torch.tensor([1.0, 1.0, 1.0, -1.0, 0, 0, 1.0, 1.0, 1.0, 2.0, 0, 0])
     m = torch.tensor([0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0.0, 0.5, -0.5, 0, 0])
     lr, wd = [0.25, 0.125], [0.5, 0.0]
-    ops.lion_step(grad, master, m, None, table, lr=lr, weight_decay=wd, grad_scale=_scalar(1.0), beta1=BETA1,
+    front.lion_step(grad, master, m, None, table, lr=lr, weight_decay=wd, grad_scale=_scalar(1.0), beta1=BETA1,
                   beta2=BETA2, backend="reference")
     d = 1 - 0.25 * 0.5
     want_w = [d, d - 0.25, d + 0.25, -d, 0, 0, 1 - 0.125, 1 + 0.125, 1 - 0.125, 2 + 0.125, 0, 0]
@@ -221,7 +222,7 @@ def test_reference_lion_specials(gdtype):
     param_out = torch.zeros(table.numel, dtype=torch.bfloat16)
     W, M, tie = oracle_lion(grad, master, m, table, LR, WD, 0.5)
     assert bool(torch.isnan(M).any()) and bool(torch.isinf(M).any())
-    ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5), beta1=BETA1,
+    front.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5), beta1=BETA1,
                   beta2=BETA2, backend="reference")
     assert torch.isfinite(master).all(), "a NaN moment must not reach the weights (torch.sign(NaN) == 0)"
     assert_fp32_close(m, M, "exp_avg")
@@ -255,7 +256,7 @@ def test_reference_lion_param_straddling_two_shards():
         W, M, tie = oracle_lion(grad, W, M, glob, LR, WD, 0.25, near_tie=tie)
         for r in range(2):
             sl = slice(r * shard, (r + 1) * shard)
-            ops.lion_step(grad[sl], master[sl], m[sl], param_out[sl], tables[r], lr=LR, weight_decay=WD,
+            front.lion_step(grad[sl], master[sl], m[sl], param_out[sl], tables[r], lr=LR, weight_decay=WD,
                           grad_scale=_scalar(0.25), beta1=BETA1, beta2=BETA2, backend="reference")
     assert_fp32_close(m, M, "exp_avg")
     assert_fp32_close(master, W, "master", skip=tie)
@@ -273,12 +274,12 @@ def test_lion_found_inf_skips_everything(found, backend):
     master, m = make_state(table, seed=2, gap_value=3.0)
     param_out = master.to(torch.bfloat16)
     before = [t.clone() for t in (grad, master, m, param_out)]
-    ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
+    front.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
                   beta1=BETA1, beta2=BETA2, found_inf=_scalar(found), backend=backend)
     for b, a, name in zip(before, (grad, master, m, param_out), ("grad", "master", "exp_avg", "param_out")):
         assert_bitwise_equal(a, b, f"{name} on a skipped step:")
     # a zero flag runs the step
-    ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
+    front.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
                   beta1=BETA1, beta2=BETA2, found_inf=_scalar(0.0), backend=backend)
     assert not torch.equal(master, before[1]) and not torch.equal(m, before[2])
 
@@ -295,7 +296,7 @@ def test_lion_cpu_and_reference_backends_agree_bitwise(gdtype, pdtype, specials,
         param_out = None if pdtype is None else torch.zeros(table.numel, dtype=pdtype)
         for t in range(3):
             grad = make_grad(table, gdtype, seed=40 + t, specials=specials and t == 0)
-            ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5),
+            front.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5),
                           beta1=BETA1, beta2=BETA2, backend=backend)
         results.append((master, m, param_out))
     assert ops.resolve_backend(torch.zeros(1), "auto") == "cpu"
@@ -335,7 +336,7 @@ def test_lion_gap_garbage_untouched(backend, tname, gdtype, pdtype, betas):
         dirty_grad = with_gap_garbage(grad, table, seed=95 + t)
         grad_before, before = dirty_grad.clone(), [x.clone() if x is not None else None for x in (*dirty, dirty_po)]
         for g, (master, m), po in ((grad, clean, clean_po), (dirty_grad, dirty, dirty_po)):
-            ops.lion_step(g, master, m, po, table, lr=lr, weight_decay=wd, grad_scale=_scalar(0.5),
+            front.lion_step(g, master, m, po, table, lr=lr, weight_decay=wd, grad_scale=_scalar(0.5),
                           beta1=betas[0], beta2=betas[1], backend=backend)
         assert_gaps_unchanged(before, (*dirty, dirty_po), gap, names, f"step {t}")
         assert_bitwise_equal(dirty_grad, grad_before, "grad")
@@ -349,7 +350,7 @@ def test_lion_empty_table_is_a_no_op():
     master, m = torch.randn(8), torch.randn(8)
     before = [master.clone(), m.clone()]
     for backend in ("cpu", "reference"):
-        ops.lion_step(torch.randn(8), master, m, None, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
+        front.lion_step(torch.randn(8), master, m, None, table, lr=LR, weight_decay=WD, grad_scale=_scalar(1.0),
                       beta1=BETA1, beta2=BETA2, backend=backend)
     assert torch.equal(master, before[0]) and torch.equal(m, before[1])
 
@@ -364,7 +365,7 @@ CUDA_EXT = "cuda-ext"  # the backend of the CUDA tests: the compiled extension, 
 
 
 def _run(backend, grad, master, m, param_out, table, gs, lr=LR, wd=WD, found=None, betas=(BETA1, BETA2)):
-    ops.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs, grad.device),
+    front.lion_step(grad, master, m, param_out, table, lr=lr, weight_decay=wd, grad_scale=_scalar(gs, grad.device),
                   beta1=betas[0], beta2=betas[1], found_inf=found, backend=backend)
 
 
@@ -539,7 +540,7 @@ def test_cuda_lion_dispatch_and_deterministic():
     for backend in ("auto", "cuda-ext"):
         master, m = (t.clone() for t in init)
         param_out = torch.zeros(table.numel, dtype=torch.bfloat16, device=DEV)
-        ops.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5, DEV),
+        front.lion_step(grad, master, m, param_out, table, lr=LR, weight_decay=WD, grad_scale=_scalar(0.5, DEV),
                       beta1=BETA1, beta2=BETA2, backend=backend)
         outs.append((master, m, param_out))
     assert ops.backend_for(grad) == "cuda-ext"
@@ -559,7 +560,7 @@ def test_lion_wrapper_arguments_reach_the_extension(monkeypatch):
     first check rejects them; a pybind signature mismatch would raise TypeError instead."""
     from megatron_opt.ops import cuda as cuda_wrapper
 
-    assert "lion_step" in cuda_wrapper.__all__
+    assert "lion_step" in cuda_wrapper.kernels.pass2_ops()  # csrc/rules/lion.cu registered itself
     monkeypatch.setattr(cuda_wrapper, "cuda_device", lambda op, grad: grad.device)
     table = gapped_table(100)
     n = table.numel
@@ -567,7 +568,7 @@ def test_lion_wrapper_arguments_reach_the_extension(monkeypatch):
     for po in (None, torch.zeros(n, dtype=torch.bfloat16)):
         for found in (None, torch.zeros(1)):
             with pytest.raises(RuntimeError, match="must be a CUDA tensor"):
-                ops.lion_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
+                front.lion_step(f32(), f32(), f32(), po, table, lr=LR, weight_decay=WD, grad_scale=torch.ones(1),
                               beta1=BETA1, beta2=BETA2, found_inf=found, backend=CUDA_EXT)
 
 
@@ -579,30 +580,30 @@ def test_lion_wrapper_validation(wrapper):
     one = torch.ones(1, device=dev)
     kw = dict(lr=LR, weight_decay=WD, grad_scale=one, beta1=BETA1, beta2=BETA2)
     with pytest.raises(TypeError, match="dtype"):
-        ops.lion_step(grad.double(), master, m, None, table, **kw, backend=backend)
+        front.lion_step(grad.double(), master, m, None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="exp_avg"):
-        ops.lion_step(grad, master, m.half(), None, table, **kw, backend=backend)
+        front.lion_step(grad, master, m.half(), None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="master"):
-        ops.lion_step(grad, master.bfloat16(), m, None, table, **kw, backend=backend)
+        front.lion_step(grad, master.bfloat16(), m, None, table, **kw, backend=backend)
     with pytest.raises(TypeError, match="param_out"):
-        ops.lion_step(grad, master, m, torch.zeros(16, dtype=torch.float64, device=dev), table, **kw, backend=backend)
+        front.lion_step(grad, master, m, torch.zeros(16, dtype=torch.float64, device=dev), table, **kw, backend=backend)
     with pytest.raises(ValueError, match="elements"):
-        ops.lion_step(grad, master, m[:8], None, table, **kw, backend=backend)
+        front.lion_step(grad, master, m[:8], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="contiguous"):
-        ops.lion_step(grad, master, torch.zeros(32, device=dev)[::2], None, table, **kw, backend=backend)
+        front.lion_step(grad, master, torch.zeros(32, device=dev)[::2], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="one element"):
-        ops.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)}, backend=backend)
+        front.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)}, backend=backend)
     with pytest.raises(TypeError, match="found_inf"):
-        ops.lion_step(grad, master, m, None, table, **kw, found_inf=torch.zeros(1, dtype=torch.float64, device=dev),
+        front.lion_step(grad, master, m, None, table, **kw, found_inf=torch.zeros(1, dtype=torch.float64, device=dev),
                       backend=backend)
     with pytest.raises(ValueError, match="overlap"):
-        ops.lion_step(grad, master, master, None, table, **kw, backend=backend)
+        front.lion_step(grad, master, master, None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="overlap"):
         buf = torch.zeros(40, device=dev)
-        ops.lion_step(grad, buf[:16], buf[8:24], None, table, **kw, backend=backend)
+        front.lion_step(grad, buf[:16], buf[8:24], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="group"):
-        ops.lion_step(grad, master, m, None, table, **{**kw, "lr": [1.0], "weight_decay": [0.0]}, backend=backend)
+        front.lion_step(grad, master, m, None, table, **{**kw, "lr": [1.0], "weight_decay": [0.0]}, backend=backend)
     with pytest.raises(ValueError, match="entries"):
-        ops.lion_step(grad, master, m, None, table, **{**kw, "weight_decay": [0.0]}, backend=backend)
+        front.lion_step(grad, master, m, None, table, **{**kw, "weight_decay": [0.0]}, backend=backend)
     if dev.type == "cuda":  # master may alias an fp32 param_out
-        ops.lion_step(grad, master, m, master, table, **kw, backend=backend)
+        front.lion_step(grad, master, m, master, table, **kw, backend=backend)

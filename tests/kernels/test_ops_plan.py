@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
+import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from megatron_opt.ops.step_plan import CHUNK
 
@@ -120,23 +121,23 @@ def test_planned_pass2_equals_single_shard_ops(backend, rule):
     gs, clip, step = torch.tensor([0.5]), 0.75, torch.tensor([3])
     plan = ops.StepPlan(tuple(mine))
     if rule == "adamw":
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
+        front.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
                                beta2=BETA2, eps=EPS, backend=backend)
     elif rule == "lion":
-        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
+        front.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
                               backend=backend)
     else:
-        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, momentum=0.9 if nstate else 0.0,
+        front.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, momentum=0.9 if nstate else 0.0,
                              nesterov=True, backend=backend)
     for s in theirs:
         kw = dict(lr=lr, weight_decay=wd, grad_scale=gs * clip, backend=backend)
         if rule == "adamw":
-            ops.adamw_step(s.grad, s.master, *s.state, s.param_out, s.table, step=step, beta1=BETA1, beta2=BETA2,
+            front.adamw_step(s.grad, s.master, *s.state, s.param_out, s.table, step=step, beta1=BETA1, beta2=BETA2,
                            eps=EPS, **kw)
         elif rule == "lion":
-            ops.lion_step(s.grad, s.master, s.state[0], s.param_out, s.table, beta1=BETA1, beta2=BETA2, **kw)
+            front.lion_step(s.grad, s.master, s.state[0], s.param_out, s.table, beta1=BETA1, beta2=BETA2, **kw)
         else:
-            ops.sgd_step(s.grad, s.master, s.state[0] if nstate else None, s.param_out, s.table,
+            front.sgd_step(s.grad, s.master, s.state[0] if nstate else None, s.param_out, s.table,
                          momentum=0.9 if nstate else 0.0, nesterov=True, **kw)
     for a, b in zip(mine, theirs):
         for x, y in zip([a.master, *a.state, a.param_out], [b.master, *b.state, b.param_out]):
@@ -148,17 +149,17 @@ def test_planned_pass2_equals_single_shard_ops(backend, rule):
 def test_planned_stats_sum_over_shards(backend):
     shards = many_shards(seed=5)
     got = torch.zeros(3, dtype=torch.float64)
-    ops.grad_stats_planned(ops.StepPlan(tuple(shards), update=False), torch.tensor([0.25]), got, backend=backend)
+    ops.grad_stats(ops.StepPlan(tuple(shards), update=False), torch.tensor([0.25]), got, backend=backend)
     want = torch.zeros(3, dtype=torch.float64)
     for s in shards:
-        ops.grad_stats(s.grad, s.table, torch.tensor([0.25]), want, backend=backend)
+        front.grad_stats(s.grad, s.table, torch.tensor([0.25]), want, backend=backend)
     assert torch.allclose(got, want, rtol=1e-12, atol=0) and got[1] > 0
 
 
 def test_plan_group_ids_checked_against_lr_table():
     plan = ops.StepPlan(tuple(many_shards(nstate=2)))
     with pytest.raises(ValueError, match="param group 2"):
-        ops.adamw_step_planned(plan, lr_wd=ops.lr_wd_table([1e-3, 1e-3], [0.0, 0.0], torch.device("cpu")),
+        front.adamw_step_planned(plan, lr_wd=ops.lr_wd_table([1e-3, 1e-3], [0.0, 0.0], torch.device("cpu")),
                                grad_scale=torch.ones(1), step=torch.ones(1, dtype=torch.int64), beta1=BETA1,
                                beta2=BETA2, eps=EPS)
 
@@ -178,13 +179,13 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _run_rule(rule: str, plan, lr_wd, gs, clip, step, backend, found=None):
     if rule == "adamw":
-        ops.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
+        front.adamw_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, step=step, beta1=BETA1,
                                beta2=BETA2, eps=EPS, found_inf=found, backend=backend)
     elif rule == "lion":
-        ops.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
+        front.lion_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip, beta1=BETA1, beta2=BETA2,
                               found_inf=found, backend=backend)
     else:
-        ops.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip,
+        front.sgd_step_planned(plan, lr_wd=lr_wd, grad_scale=gs * clip,
                              momentum=0.9 if rule == "sgd-momentum" else 0.0, nesterov=False, found_inf=found,
                              backend=backend)
 
@@ -207,8 +208,8 @@ def test_cuda_one_launch_over_many_shards_matches_reference(gdtype, pdtype, rule
         if a.param_out is not None:
             assert torch.equal(a.param_out, a.master.to(a.param_out.dtype)), "param_out = rounded master"
     stats, want = (torch.zeros(3, dtype=torch.float64, device=DEV) for _ in range(2))
-    ops.grad_stats_planned(ops.StepPlan(tuple(shards), update=False), gs, stats, backend="cuda-ext")
-    ops.grad_stats_planned(ops.StepPlan(tuple(shards), update=False), gs, want, backend="reference")
+    ops.grad_stats(ops.StepPlan(tuple(shards), update=False), gs, stats, backend="cuda-ext")
+    ops.grad_stats(ops.StepPlan(tuple(shards), update=False), gs, want, backend="reference")
     assert stats[0] == want[0] and stats[2] == want[2]
     assert math.isclose(stats[1].item(), want[1].item(), rel_tol=1e-12)
 
@@ -230,8 +231,8 @@ def test_cuda_20k_tiny_pieces_equal_one_piece():
     for x, y in zip([a.master, *a.state, a.param_out], [b.master, *b.state, b.param_out]):
         assert torch.equal(x, y), "element-wise math must not depend on how pieces are cut"
     s1, s2 = (torch.zeros(3, dtype=torch.float64, device=DEV) for _ in range(2))
-    ops.grad_stats_planned(ops.StepPlan((a,), update=False), gs, s1)
-    ops.grad_stats_planned(ops.StepPlan((b,), update=False), gs, s2)
+    ops.grad_stats(ops.StepPlan((a,), update=False), gs, s1)
+    ops.grad_stats(ops.StepPlan((b,), update=False), gs, s2)
     assert s1[0] == s2[0] == 0 and s1[2] == s2[2]
     assert math.isclose(s1[1].item(), s2[1].item(), rel_tol=1e-13)
 
@@ -241,17 +242,17 @@ def test_cuda_20k_tiny_pieces_equal_one_piece():
 def test_cuda_norm_squares_in_fp64_no_overflow_no_underflow():
     big = torch.full((4,), 3e19, dtype=torch.bfloat16, device=DEV)
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(big, full_table(4), torch.ones(1, device=DEV), stats)
+    front.grad_stats(big, full_table(4), torch.ones(1, device=DEV), stats)
     want = 4 * float(big[0].double()) ** 2
     assert math.isfinite(stats[1].item()) and math.isclose(stats[1].item(), want, rel_tol=1e-12)
     assert stats[0].item() == 0
     tiny = torch.full((1000,), 1e-23, dtype=torch.float32, device=DEV)
     stats.zero_()
-    ops.grad_stats(tiny, full_table(1000), torch.ones(1, device=DEV), stats)
+    front.grad_stats(tiny, full_table(1000), torch.ones(1, device=DEV), stats)
     want = 1000 * float(tiny[0].double()) ** 2
     assert stats[1].item() > 0 and math.isclose(stats[1].item(), want, rel_tol=1e-12)
     ref = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(tiny, full_table(1000), torch.ones(1, device=DEV), ref, backend="reference")
+    front.grad_stats(tiny, full_table(1000), torch.ones(1, device=DEV), ref, backend="reference")
     assert math.isclose(stats[1].item(), ref[1].item(), rel_tol=1e-12)
 
 
@@ -265,7 +266,7 @@ def test_cuda_nonfinite_counted_exactly_on_the_slow_path():
     g[40064 + 7] = float("inf")
     g[40064 + 5000 + 60000] = -float("inf")  # in the third piece, second chunk
     stats = torch.zeros(3, dtype=torch.float64, device=DEV)
-    ops.grad_stats(g, t, torch.ones(1, device=DEV), stats)
+    front.grad_stats(g, t, torch.ones(1, device=DEV), stats)
     assert stats[0].item() == 5 and math.isnan(stats[1].item())
 
 
@@ -278,7 +279,7 @@ def test_cuda_stats_bitwise_repeatable():
     runs = []
     for _ in range(3):
         st = torch.zeros(3, dtype=torch.float64, device=DEV)
-        ops.grad_stats_planned(plan, inv, st)
+        ops.grad_stats(plan, inv, st)
         runs.append(st.cpu())
     assert all(torch.equal(r.view(torch.int64), runs[0].view(torch.int64)) for r in runs)
 

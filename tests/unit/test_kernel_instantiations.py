@@ -1,6 +1,11 @@
-"""The moment-dtype pairs the CUDA AdamW kernel is compiled for are stated once in Python
-(``megatron_opt.ops.precision.KERNEL_MOMENT_PAIRS``, read by the config check and the CUDA wrapper);
-this test reads csrc/pass2.cuh as text, so it runs without a GPU or a built extension."""
+"""The csrc structure, read as text (no GPU or built extension needed):
+
+* the moment-dtype pairs the precision-aware pass-2 kernels are compiled for are stated once in Python
+  (``megatron_opt.ops.precision.KERNEL_MOMENT_PAIRS``, read by the config check and AdamW's op), and
+  csrc/pass2.cuh instantiates exactly those;
+* each rule's kernel file registers itself under its op's name (csrc/rules/), and no shared file
+  (the bindings, launch.h, pass2.cuh, the registry) names a rule: adding a rule touches its Python
+  file, its kernel file and the registry only."""
 from __future__ import annotations
 
 import re
@@ -9,8 +14,12 @@ from pathlib import Path
 import torch
 
 from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
+from megatron_opt.optimizer.rules import AdamWStep, LionStep, SGDStep
+from megatron_opt.optimizer.rules.registry import UPDATE_RULES
 
-PASS2 = Path(__file__).resolve().parents[2] / "csrc" / "pass2.cuh"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+PASS2 = CSRC / "pass2.cuh"
+REGISTRATION = r'MEGATRON_OPT_REGISTER_(?:RULE|PASS2)\(\s*"(\w+)"'
 CODES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -46,3 +55,23 @@ def test_the_precision_aware_launcher_instantiates_exactly_the_table():
 def test_the_table_holds_distinct_pairs_of_state_dtypes():
     assert len(set(KERNEL_MOMENT_PAIRS)) == len(KERNEL_MOMENT_PAIRS)
     assert all(a in STATE_DTYPES and b in STATE_DTYPES for a, b in KERNEL_MOMENT_PAIRS)
+
+
+def _registered_in(path: Path) -> list:
+    return re.findall(REGISTRATION, path.read_text())
+
+
+def test_each_rule_kernel_file_registers_its_op():
+    registered = {path.name: _registered_in(path) for path in sorted((CSRC / "rules").glob("*.cu"))}
+    names = [n for found in registered.values() for n in found]
+    assert sorted(names) == sorted({AdamWStep.op, SGDStep.op, LionStep.op}), registered
+    assert len(set(names)) == len(names), "an op registered twice"
+    assert {"adam", "sgd", "lion"} <= set(UPDATE_RULES)
+
+
+def test_no_shared_file_names_a_rule():
+    ops = (AdamWStep.op, SGDStep.op, LionStep.op)
+    shared = [p for p in sorted(CSRC.glob("*")) if p.is_file()]
+    assert shared and not any(_registered_in(p) for p in shared)
+    offenders = [f"{p.name} names {op}" for p in shared for op in ops if op in p.read_text()]
+    assert not offenders, offenders

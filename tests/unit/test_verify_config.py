@@ -13,6 +13,7 @@ from megatron_opt import ops
 from megatron_opt.ops.piece_table import full_table
 from megatron_opt.optimizer import float64_update as f64
 from megatron_opt.optimizer.float64_update import Float64Inputs
+from megatron_opt.optimizer.rules import sgd as sgd_rule
 from megatron_opt.optimizer.replica_check import Checksums
 from megatron_opt.optimizer.verify import recompute_of
 from tests.support.common import ReferenceLion
@@ -110,17 +111,9 @@ def _run_op(rule, inp: Float64Inputs, raw_grad: torch.Tensor, grad_scale: float,
     n = inp.master.numel()
     master = inp.master.float()
     state = {k: v.float() for k, v in inp.state.items()}
-    common = dict(lr=[inp.lr], weight_decay=[inp.weight_decay], grad_scale=torch.tensor([grad_scale]),
-                  backend=backend)
-    if isinstance(rule, mo.AdamW):
-        ops.adamw_step(raw_grad, master, state["exp_avg"], state["exp_avg_sq"], None, full_table(n),
-                       step=torch.tensor([inp.step]), beta1=rule.beta1, beta2=rule.beta2, eps=rule.eps, **common)
-    elif isinstance(rule, mo.SGD):
-        ops.sgd_step(raw_grad, master, state["momentum_buffer"], None, full_table(n), momentum=rule.momentum,
-                     nesterov=rule.nesterov, **common)
-    else:
-        ops.lion_step(raw_grad, master, state["exp_avg"], None, full_table(n), beta1=rule.beta1, beta2=rule.beta2,
-                      **common)
+    plan = ops.StepPlan((ops.ShardOperands(full_table(n), raw_grad, master, tuple(state[k] for k in rule.state_dtypes())),))
+    rule.apply(plan, lr_wd=ops.lr_wd_table([inp.lr], [inp.weight_decay], master.device),
+               grad_scale=torch.tensor([grad_scale]), step=torch.tensor([inp.step]), backend=backend)
     return {"master": master, **state}
 
 
@@ -174,7 +167,7 @@ class _NoRecompute(mo.UpdateRule):
 
 class _WithRecompute(_NoRecompute):
     def float64_update(self, inputs):
-        return f64.sgd(inputs, 0.0, False)
+        return sgd_rule.recompute(inputs, 0.0, False)
 
 
 class _AdamWWithOwnApply(mo.AdamW):

@@ -10,6 +10,7 @@ import argparse
 from typing import Any, Callable, Mapping, Optional
 
 from ...config import VERIFY_ACTIONS
+from ...optimizer.rules.registry import OPTIMIZER_NAMES
 from ...scheduler import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from ...training import LOSS_MODES
 
@@ -112,7 +113,7 @@ def _add_training_args(g: _Group) -> None:
 
 
 def _add_optimizer_args(g: _Group) -> None:
-    g.value("--optimizer", str, "adam", choices=("adam", "sgd", "lion"),
+    g.value("--optimizer", str, "adam", choices=OPTIMIZER_NAMES,
             help="adam is AdamW (decoupled weight decay), as in Megatron-LM")
     g.value("--lr", float)
     g.value("--min-lr", float, 0.0)

@@ -1,7 +1,9 @@
 // The AdamW rule of pass 2 (torch.optim.AdamW's formula, decoupled weight decay): per-element fp32
-// math on the widened master (w) and moments (m = exp_avg = state0, v = exp_avg_sq = state1). Shared by
-// adamw.cu (the host entry point) and the adamw_master_*.cu units, one per master storage, which hold
-// the kernel instantiations (split so that the build compiles them in parallel).
+// math on the widened master (w) and moments (m = exp_avg = state0, v = exp_avg_sq = state1).
+// Precision-aware (precision.cuh): the master stored as fp32, fp16 or the int16 remainder of a bf16
+// param_out; the moments as fp32 / bf16 / fp16 in the pairs of supported_state_pair, bf16 moments
+// optionally rounded stochastically. Shared by adamw.cu (registration, fp32 masters) and
+// adamw_master_{f16,rem}.cu (the other master storages, compiled in parallel).
 #pragma once
 
 #include "pass2.cuh"
@@ -10,6 +12,7 @@ namespace megatron_opt {
 
 struct AdamwRule {
   static constexpr int kStates = 2;
+  static constexpr bool kPrecisionAware = true;
   struct Args {
     double beta1, beta2;
     float lerp_weight;      // (float)(1 - beta1)
@@ -25,6 +28,22 @@ struct AdamwRule {
     float decay_factor;  // (float)(1 - lr * wd)
     bool decay;          // lr * wd != 0
   };
+
+  // constants: beta1, beta2, eps (ops: AdamWStep.cuda); step is required.
+  static Args make_args(const Pass2Call& c, at::Device device) {
+    TORCH_CHECK(c.step.has_value(), c.op, ": AdamW reads the device step; pass step");
+    check_scalar(*c.step, "step", device, at::kLong);
+    const std::vector<double>& k = rule_constants(c, 3, "beta1, beta2, eps");
+    Args a;
+    a.beta1 = k[0];
+    a.beta2 = k[1];
+    a.lerp_weight = static_cast<float>(1.0 - k[0]);
+    a.beta2_f = static_cast<float>(k[1]);
+    a.one_minus_beta2 = static_cast<float>(1.0 - k[1]);
+    a.eps = static_cast<float>(k[2]);
+    a.step = c.step->data_ptr<int64_t>();
+    return a;
+  }
 
   static __device__ __forceinline__ Seg seg(const Args& a, double lr, double wd, float grad_scale) {
     const double t = static_cast<double>(*a.step);
@@ -56,15 +75,10 @@ struct AdamwRule {
   }
 };
 
-
-// Pass-2 launches for one master storage (master_code 0 fp32, 2 fp16, 3 int16 remainder); grad, param_out
-// and state codes are dispatched inside. The caller has checked the arguments and set the device guard.
-// sr_step: the device step when bf16 moments are rounded stochastically, else nullptr.
-void adamw_pass2_master_f32(int64_t grad_code, int64_t param_code, int64_t s0_code, int64_t s1_code,
-                            const Pass2Args& p, const AdamwRule::Args& a, const int64_t* sr_step);
-void adamw_pass2_master_f16(int64_t grad_code, int64_t param_code, int64_t s0_code, int64_t s1_code,
-                            const Pass2Args& p, const AdamwRule::Args& a, const int64_t* sr_step);
-void adamw_pass2_master_rem(int64_t grad_code, int64_t param_code, int64_t s0_code, int64_t s1_code,
-                            const Pass2Args& p, const AdamwRule::Args& a, const int64_t* sr_step);
+// The master storages instantiated in their own files (adamw_master_f16.cu, adamw_master_rem.cu).
+extern template void run_pass2_master<AdamwRule, MasterF16>(const char*, const Pass2Call&, const AdamwRule::Args&,
+                                                            const int64_t*);
+extern template void run_pass2_master<AdamwRule, MasterRem>(const char*, const Pass2Call&, const AdamwRule::Args&,
+                                                            const int64_t*);
 
 }  // namespace megatron_opt

@@ -4,14 +4,14 @@
 //   c = m.lerp(g, 1 - beta1);  w *= 1 - lr*wd (when lr*wd != 0);  w -= lr * sign(c);  m.lerp_(g, 1 - beta2)
 //
 // sign follows torch.sign: sign(+-0) = +0 and sign(NaN) = 0 (a NaN c moves w by the decay only).
-// state0 = exp_avg. Chunk walking, found_inf skip, the lr table: see pass2.cuh.
-#include "launch.h"
+// state0 = exp_avg. Registered as "lion_step" (megatron_opt/optimizer/rules/lion.py, LionStep);
+// constants: beta1, beta2. Chunk walking, found_inf skip, the lr table: pass2.cuh.
 #include "pass2.cuh"
 
 namespace megatron_opt {
 namespace {
 
-// torch's lerp as its CUDA kernel computes it in fp32 (the same formula as adamw_math's m update):
+// torch's lerp as its CUDA kernel computes it in fp32 (the same formula as AdamW's m update):
 // weight < 0.5 ? start + w*(end - start) : end - (1-w)*(end - start), each form one fma;
 // fma(w - 1, diff, end) == fma(-(1 - w), diff, end) since w - 1 rounds exactly like 1 - w.
 __device__ __forceinline__ float torch_lerp(float start, float end, float weight) {
@@ -26,6 +26,7 @@ __device__ __forceinline__ float torch_sign(float x) { return x > 0.0f ? 1.0f : 
 
 struct LionRule {
   static constexpr int kStates = 1;
+  static constexpr bool kPrecisionAware = false;
   struct Args {
     float lerp1;  // (float)(1 - beta1)
     float lerp2;  // (float)(1 - beta2)
@@ -36,6 +37,11 @@ struct LionRule {
     float decay_factor;  // (float)(1 - lr * wd)
     bool decay;          // lr * wd != 0
   };
+
+  static Args make_args(const Pass2Call& c, at::Device) {
+    const std::vector<double>& k = rule_constants(c, 2, "beta1, beta2");
+    return Args{static_cast<float>(1.0 - k[0]), static_cast<float>(1.0 - k[1])};
+  }
 
   static __device__ __forceinline__ Seg seg(const Args&, double lr, double wd, float grad_scale) {
     Seg k;
@@ -58,13 +64,6 @@ struct LionRule {
 };
 
 }  // namespace
-
-void lion_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
-                    const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, double beta1,
-                    double beta2, const std::optional<at::Tensor>& found_inf) {
-  const Pass2Args p{ptrs, chunks, lr_wd, grad_scale, clip_coef, found_inf};
-  LionRule::Args a{static_cast<float>(1.0 - beta1), static_cast<float>(1.0 - beta2)};
-  run_pass2<LionRule>("lion_step", grad_code, param_code, p, a);
-}
-
 }  // namespace megatron_opt
+
+MEGATRON_OPT_REGISTER_RULE("lion_step", ::megatron_opt::LionRule)

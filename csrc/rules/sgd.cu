@@ -1,7 +1,7 @@
 // Pass 2, SGD: torch.optim.SGD's formula (L2 weight decay, dampening 0, optional Nesterov) on the
 // fp32 master, state0 = momentum buffer (only when momentum != 0), optional write of the rounded
-// master into param_out (model dtype). Chunk walking, found_inf skip, the lr table: see pass2.cuh.
-#include "launch.h"
+// master into param_out (model dtype). Registered as "sgd_step" (megatron_opt/optimizer/rules/sgd.py,
+// SGDStep); constants: momentum, nesterov (0 or 1). Chunk walking, found_inf skip, the lr table: pass2.cuh.
 #include "pass2.cuh"
 
 namespace megatron_opt {
@@ -10,6 +10,7 @@ namespace {
 template <bool kMomentum>
 struct SgdRule {
   static constexpr int kStates = kMomentum ? 1 : 0;
+  static constexpr bool kPrecisionAware = false;
   struct Args {
     float momentum;
     bool nesterov;
@@ -20,6 +21,11 @@ struct SgdRule {
     float wd;     // (float)wd
     bool has_wd;  // wd != 0
   };
+
+  static Args make_args(const Pass2Call& c, at::Device) {
+    const std::vector<double>& k = rule_constants(c, 2, "momentum, nesterov");
+    return Args{static_cast<float>(k[0]), k[1] != 0.0};
+  }
 
   static __device__ __forceinline__ Seg seg(const Args&, double lr, double wd, float grad_scale) {
     Seg k;
@@ -43,19 +49,17 @@ struct SgdRule {
   }
 };
 
-}  // namespace
-
-void sgd_step_cuda(const at::Tensor& ptrs, const at::Tensor& chunks, int64_t grad_code, int64_t param_code,
-                   const at::Tensor& lr_wd, const at::Tensor& grad_scale, double clip_coef, double momentum,
-                   bool nesterov, const std::optional<at::Tensor>& found_inf) {
-  const Pass2Args p{ptrs, chunks, lr_wd, grad_scale, clip_coef, found_inf};
-  if (momentum != 0.0) {
-    SgdRule<true>::Args a{static_cast<float>(momentum), nesterov};
-    run_pass2<SgdRule<true>>("sgd_step", grad_code, param_code, p, a);
+// Without momentum there is no state to read or write: a kernel without the buffer.
+void sgd_launch(const Pass2Call& c) {
+  const std::vector<double>& k = rule_constants(c, 2, "momentum, nesterov");
+  if (k[0] != 0.0) {
+    run_rule<SgdRule<true>>(c);
   } else {
-    SgdRule<false>::Args a{0.0f, nesterov};
-    run_pass2<SgdRule<false>>("sgd_step", grad_code, param_code, p, a);
+    run_rule<SgdRule<false>>(c);
   }
 }
 
+}  // namespace
 }  // namespace megatron_opt
+
+MEGATRON_OPT_REGISTER_PASS2("sgd_step", &::megatron_opt::sgd_launch)

@@ -1,0 +1,88 @@
+"""The update-rule registry is the one list of optimizer names; a rule declares what it needs; the
+gradient multiplier and the lr table's host values (issue 29, item 1)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+import torch
+
+import megatron_opt as mo
+import megatron_opt.ops as ops
+from megatron_opt.megatron import arguments as megatron_args
+from megatron_opt.optimizer.grad_multiplier import GradMultiplier
+from megatron_opt.optimizer.rules import UPDATE_RULES, Needs, resolve_update_rule, update_rule_from_config
+
+
+def _optimizer_choices() -> tuple:
+    parser = argparse.ArgumentParser()
+    megatron_args.add_megatron_args(parser)
+    action = next(a for a in parser._actions if "--optimizer" in a.option_strings)
+    return tuple(action.choices)
+
+
+def test_config_flags_and_lookup_read_the_registry(monkeypatch):
+    assert _optimizer_choices() == tuple(UPDATE_RULES)
+    for name, cls in UPDATE_RULES.items():
+        assert type(update_rule_from_config(mo.OptimizerConfig(lr=1e-3, optimizer=name))) is cls
+    with pytest.raises(mo.UnsupportedConfigError, match="'adam', 'sgd' or 'lion'"):
+        mo.OptimizerConfig(lr=1e-3, optimizer="muon")
+
+
+def test_the_rules_take_their_constants_from_the_config():
+    cfg = mo.OptimizerConfig(lr=1e-3, optimizer="lion", lion_beta1=0.5, lion_beta2=0.25, sgd_momentum=0.5,
+                             adam_beta1=0.8, adam_eps=1e-6)
+    assert update_rule_from_config(cfg) == mo.Lion(beta1=0.5, beta2=0.25)
+    assert mo.SGD.from_config(cfg) == mo.SGD(momentum=0.5)
+    assert mo.AdamW.from_config(cfg) == mo.AdamW(beta1=0.8, eps=1e-6)
+
+
+@dataclass(frozen=True)
+class _MatrixRule(mo.UpdateRule):
+    name: ClassVar[str] = "matrix"
+    needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
+
+    def state_dtypes(self):
+        return {}
+
+    def apply(self, plan, **kwargs):
+        raise AssertionError("never run")
+
+
+def test_a_rule_that_needs_whole_tensors_is_refused():
+    cfg = mo.OptimizerConfig(lr=1e-3)
+    assert resolve_update_rule(cfg) == mo.AdamW()
+    assert mo.AdamW.needs is Needs.ELEMENTWISE
+    with pytest.raises(mo.UnsupportedConfigError, match="whole tensors"):
+        resolve_update_rule(cfg, _MatrixRule())
+
+
+def test_the_torch_backends_read_lr_and_wd_on_the_host(monkeypatch):
+    """The values DeviceHyperparams staged come back without a read of the device table."""
+    hyper = ops.DeviceHyperparams(2, torch.device("cpu"))
+    table = hyper.update([1e-3, 0.1], [0.01, 0.0])
+
+    def no_read(cls, lr_wd):
+        raise AssertionError("read the table back")
+
+    monkeypatch.setattr(ops.LrWd, "from_table", classmethod(no_read))
+    host = ops.host_lr_wd(table)
+    assert list(host.lr) == [1e-3, 0.1] and list(host.weight_decay) == [0.01, 0.0]
+    assert table.tolist() == [[1e-3, 0.01], [0.1, 0.0]]
+    hyper.update([2e-3, 0.1], [0.01, 0.0])  # a changed value: the host copy follows
+    assert list(ops.host_lr_wd(table).lr) == [2e-3, 0.1]
+
+
+def test_the_multiplier_is_staged_once_and_folds_the_clip():
+    factor = torch.tensor([1 / 3], dtype=torch.float32)
+    m = GradMultiplier(factor)
+    with pytest.raises(RuntimeError, match="stage"):
+        m.fold_clip(None)
+    loss_scale = torch.tensor([1024.0])
+    inv = m.stage(loss_scale)
+    assert torch.equal(inv, factor / loss_scale)
+    clip = torch.tensor([0.7], dtype=torch.float32)
+    assert torch.equal(m.fold_clip(clip), factor / loss_scale * clip)
+    assert m.fold_clip(None) is m.inv_scale
