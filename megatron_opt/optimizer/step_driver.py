@@ -241,7 +241,7 @@ class StepDriver:
                 "before step(); start the next step with zero_grad_buffer() and a backward."
             )
         self._finish_grad_sync()
-        with phase_timers.phase(self.config, "megatron_opt.pass1", phase_timers.PASS1):
+        with phase_timers.phase(self.config, "megatron_opt.decide", phase_timers.PASS1):  # encloses .pass1 + .stats_allreduce
             self._stage_missing_backward()
             self._decide()
             read = self._decision.read()  # the step's one host synchronisation
