@@ -63,7 +63,7 @@ setup(
     name="megatron_opt",
     version="0.1.0",
     description="Sharded mixed-precision distributed optimizer (ZeRO-1) with Megatron-LM semantics",
-    packages=find_packages(include=["megatron_opt", "megatron_opt.*"]),
+    packages=find_packages(include=["megatron_opt", "megatron_opt.*", "megatron_opt_train", "megatron_opt_train.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard",
