@@ -219,13 +219,13 @@ class Trainer:
         with timers.time("batch-generator", level=2):
             batches = [tuple(t.to(self.device) for t in batch)
                        for batch in runner.source.train_batches(self.consumed, args.num_microbatches)]
-        sync_before = timers.totals["all-grads-sync"]
+        before = timers.step_totals()
         start = time.perf_counter()
         result = runner.train_step(batches)
         if self.cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        timers.close_step(elapsed, sync_before)
+        timers.close_step(elapsed, before)
         self.iteration = step
         self.consumed += args.global_batch_size
         self.skipped_samples += 0 if result.success else args.global_batch_size

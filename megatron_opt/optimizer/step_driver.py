@@ -173,7 +173,7 @@ class StepDriver:
 
     # ----------------------------------------------------------------- the parts both ways share
     def _finish_grad_sync(self) -> None:
-        with phase_timers.phase(self.config, "megatron_opt.finish_grad_sync", phase_timers.GRAD_SYNC):
+        with record_function("megatron_opt.finish_grad_sync"):
             for src in self.sources:
                 src.finish_grad_sync()
 
@@ -294,10 +294,6 @@ class StepDriver:
         return True
 
     def step(self) -> tuple[Any, Any, Any]:
-        with phase_timers.phase(self.config, "megatron_opt.step", phase_timers.STEP):
-            return self._step()
-
-    def _step(self) -> tuple[Any, Any, Any]:
         # Verify mode's checks run before and after the step, outside any CUDA graph.
         pending = None
         if self.verifier is not None:

@@ -3,12 +3,13 @@
     level 1: forward-backward, all-grads-sync, optimizer and the optimizer's own phases
     level 2: also batch-generator, forward-compute, backward-compute
 
-Nothing is monkeypatched: the optimizer times its phases, its whole step and the gradient-sync wait
-inside it through ``OptimizerConfig.timers`` (megatron_opt.optimizer.phase_timers, docs/usage.md), and
-megatron-core's finalize_model_grads times its gradient sync through ``TransformerConfig.timers``
-(``only("all-grads-sync")``). Both are given this object, which speaks Megatron-LM's Timers interface:
-``timers(name, log_level)`` -> the one clock of that name, with start/stop. Level 0 times nothing and
-adds no synchronisation.
+Nothing is monkeypatched. This object speaks Megatron-LM's Timers interface (``timers(name,
+log_level)`` -> the one clock of that name, with start/stop) and is given where Megatron-LM gives its
+Timers: as ``OptimizerConfig.timers`` (the optimizer times its passes, and megatron_opt.train_step its
+gradient sync and the step: megatron_opt.optimizer.phase_timers, docs/usage.md "Timers"), and, for
+``all-grads-sync`` only, as megatron-core's ``TransformerConfig.timers`` (finalize_model_grads). What
+the runner calls itself it times itself (the model-parallel runner's optimizer.step, the forward
+step). Level 0 times nothing and adds no synchronisation.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from megatron_opt.optimizer import phase_timers
 
 # Level 1 ends with the optimizer's own phases (timed by the optimizer through OptimizerConfig.timers).
-TIMERS_BY_LEVEL = {1: ("forward-backward", phase_timers.GRAD_SYNC, "optimizer", phase_timers.PASS1,
+TIMERS_BY_LEVEL = {1: ("forward-backward", phase_timers.GRAD_SYNC, phase_timers.OPTIMIZER, phase_timers.PASS1,
                        phase_timers.PASS2, phase_timers.PARAM_SYNC),
                    2: ("batch-generator", "forward-compute", "backward-compute")}
 
@@ -89,14 +90,17 @@ class PhaseTimers:
             return self(name, log_level) if name in names else idle
         return timers
 
-    def close_step(self, step_seconds: float, sync_before: float) -> None:
-        """Split one train step's time: the optimizer's whole step (phase_timers.STEP) less the gradient
-        sync inside it is the optimizer; what the train step did not spend in it is forward-backward."""
+    def step_totals(self) -> tuple[float, float]:
+        """The gradient-sync and optimizer seconds so far: close_step takes a train step's share."""
+        return self.totals[phase_timers.GRAD_SYNC], self.totals[phase_timers.OPTIMIZER]
+
+    def close_step(self, step_seconds: float, before: tuple[float, float]) -> None:
+        """Split one train step's time: what it spent neither in the gradient sync nor in the optimizer's
+        step is forward-backward (``before``: step_totals() before the step)."""
         if self.level < 1:
             return
-        step = self.totals.pop(phase_timers.STEP, 0.0)
-        self.totals["forward-backward"] += step_seconds - step
-        self.totals["optimizer"] += step - (self.totals[phase_timers.GRAD_SYNC] - sync_before)
+        sync, optimizer = self.step_totals()
+        self.totals["forward-backward"] += step_seconds - (sync - before[0]) - (optimizer - before[1])
 
     def report(self, normalizer: int, option: str) -> tuple[Optional[str], dict[str, float]]:
         """Megatron-LM's timers.log text over the ranks (ms per iteration) and {name: max ms}; resets."""

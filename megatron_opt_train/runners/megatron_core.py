@@ -133,7 +133,8 @@ class ModelParallelRunner(Runner):
             ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self.schedule(batches, forward_only=False)
-        success, grad_norm, num_zeros = self.optimizer.step()
+        with self.timers.time(phase_timers.OPTIMIZER):  # as Megatron-LM's train_step times it
+            success, grad_norm, num_zeros = self.optimizer.step()
         if success:
             self.scheduler.step(increment=args.global_batch_size)
         terms = loss_terms(outputs, args.loss_mode == "per_token", dist_device())

@@ -87,7 +87,8 @@ def test_megatron_data_eval_and_log_blocks(fixture_dir, tmp_path):
     for name in ("forward-backward", "all-grads-sync", "optimizer", "optimizer-unscale-and-check-inf",
                  "optimizer-inner-step", "params-all-gather", "batch-generator", "forward-compute", "backward-compute"):
         assert a.count(f"    {(name + ' ').ljust(48, '.')}: (") == 4, (name, a)
-    for name in ("optimizer-unscale-and-check-inf", "optimizer-inner-step"):  # timed by the optimizer itself
+    # timed by the optimizer itself, and by megatron_opt.train_step, through OptimizerConfig.timers
+    for name in ("optimizer-unscale-and-check-inf", "optimizer-inner-step", "all-grads-sync", "optimizer"):
         times = re.findall(rf"    {re.escape((name + ' ').ljust(48, '.'))}: \(([0-9.]+), ([0-9.]+)\)", a)
         assert len(times) == 4 and all(float(high) > 0.0 for _, high in times), (name, times)
     assert "data: --data-path 30 " in a and "GPT2BPETokenizer vocabulary 265 padded to 384" in a, a
