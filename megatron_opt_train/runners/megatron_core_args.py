@@ -78,7 +78,7 @@ def model_parallel(args: argparse.Namespace) -> bool:
 
 
 def check_checkpoint_args(args: argparse.Namespace) -> Optional[str]:
-    """--save/--load on this path (pretrain_resume's rules apply as at data parallelism): what
+    """--save/--load on this path (components/resume.py's rules apply as at data parallelism): what
     megatron_opt.checkpoint cannot do here, before anything runs. It names a model-parallel model's
     params by megatron-core's global keys (a checkpoint then loads at any TP / PP / DP layout) at tensor /
     pipeline / expert parallelism, with or without the optimizer; at TP1 x PP1 x EP1 by their local names."""
