@@ -28,6 +28,7 @@ import torch
 from . import collectives
 from .errors import RankError
 from .distributed.ddp import DistributedDataParallel
+from .optimizer import phase_timers
 
 logger = logging.getLogger("megatron_opt")
 
@@ -179,7 +180,13 @@ def train_step(
     handle.wait()
     model.set_loss_divisor(totals[0].clamp(min=1.0))  # only the global count is clamped
 
-    success, grad_norm, num_zeros = optimizer.step()
+    # Megatron-LM's train_step timers (phase_timers), from the optimizer's config: the gradient sync
+    # (step() would wait for it first), then the step.
+    config = getattr(optimizer, "config", None)
+    with phase_timers.phase(config, "megatron_opt.all_grads_sync", phase_timers.GRAD_SYNC):
+        model.finish_grad_sync()
+    with phase_timers.phase(config, "megatron_opt.optimizer", phase_timers.OPTIMIZER):
+        success, grad_norm, num_zeros = optimizer.step()
     if success and scheduler is not None:
         # The global sample count, summed over the ranks in the all-reduce above: ranks whose
         # micro-batches differ in size still advance their schedulers identically.

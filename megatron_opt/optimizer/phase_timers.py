@@ -15,6 +15,16 @@ megatron-core's phase of that name does:
 megatron-core's optimizer-copy-to-main-grad, -clip-main-grad, -count-zeros and
 -copy-main-to-model-params have no phase of their own here (they are parts of the two passes).
 No timer is touched inside a CUDA graph capture (a timer synchronises the device).
+
+megatron_opt.train_step, the library's counterpart of Megatron-LM's train_step, times what that one
+times around the step, with the same config's timers:
+
+    all-grads-sync                    waiting for the gradient reduction before the step (what
+                                      megatron-core's finalize_model_grads times by this name)
+    optimizer                         optimizer.step()
+
+So a loop built on train_step gets Megatron-LM's level-1 timers by giving its Timers as
+``OptimizerConfig(timers=...)``, with nothing wrapped (docs/usage.md, "Timers").
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ PASS1 = "optimizer-unscale-and-check-inf"
 PASS2 = "optimizer-inner-step"
 PARAM_SYNC = "params-all-gather"
 VERIFY = "optimizer-verify"
+GRAD_SYNC = "all-grads-sync"  # train_step's
+OPTIMIZER = "optimizer"  # train_step's
 LOG_LEVEL = 1  # Megatron-LM's level for the optimizer's timers
 
 
@@ -46,4 +58,4 @@ def phase(config: Any, label: str, timer: Optional[str] = None, capturing: bool 
             clock.stop()
 
 
-__all__ = ["PASS1", "PASS2", "PARAM_SYNC", "VERIFY", "LOG_LEVEL", "phase"]
+__all__ = ["PASS1", "PASS2", "PARAM_SYNC", "VERIFY", "GRAD_SYNC", "OPTIMIZER", "LOG_LEVEL", "phase"]

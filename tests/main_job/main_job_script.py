@@ -1,17 +1,13 @@
 """scripts/pretrain_gpt.py for the main-job tests: its path, the environment and launcher its runs use,
-the script imported as a module (with scripts/ on sys.path for its helper modules), and Megatron-LM's
-log-line formats."""
+and Megatron-LM's log-line formats. The application itself is imported as a package (megatron_opt_train)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
-from types import ModuleType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPTS = os.path.join(ROOT, "scripts")
-SCRIPT = os.path.join(SCRIPTS, "pretrain_gpt.py")
+SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
@@ -26,15 +22,6 @@ def write_fake_manifest(folder, iteration: int) -> None:
                 "data_parallel_size": 2, "world_size": 2, "param_keys": "local", "model_parallel_sizes": None}
     directory.write_manifest(folder, manifest)
 
-
-def load_pretrain_gpt() -> ModuleType:
-    """The script as a module, as it runs (its own folder first on sys.path), without running main()."""
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 # Megatron-LM's training_log line (megatron/training/training.py), field for field with its widths and
 # number formats; what follows the last field (this script's memory figures) is not matched.

@@ -1,4 +1,4 @@
-"""scripts/pretrain_gpt.py with a fault put where a test wants it, run like the script (under torchrun,
+"""The main job (scripts/pretrain_gpt.py) with a fault put where a test wants it, run like the script (under torchrun,
 same flags). The faults, from the environment:
 
 - FAULT_STOP_RANK=<rank> and FAULT_STOP_ITERATION=<n>: that rank SIGSTOPs itself after its train step
@@ -11,14 +11,12 @@ import os
 import signal
 import time
 
-from main_job_script import load_pretrain_gpt
+from megatron_opt_train.train import Trainer, main
 
-pretrain_gpt = load_pretrain_gpt()
-Job = pretrain_gpt.Job
 stop_rank = int(os.environ.get("FAULT_STOP_RANK", "-1"))
 stop_iteration = int(os.environ.get("FAULT_STOP_ITERATION", "0"))
 slow_save_seconds = float(os.environ.get("FAULT_SLOW_SAVE_SECONDS", "0"))
-log_interval, save = Job.log_interval, Job.save
+log_interval, save = Trainer.log_interval, Trainer.save
 
 
 def log_interval_after_a_stop(self, *args, **kwargs):
@@ -32,7 +30,7 @@ def slow_save(self):
     return save(self)
 
 
-Job.log_interval, Job.save = log_interval_after_a_stop, slow_save
+Trainer.log_interval, Trainer.save = log_interval_after_a_stop, slow_save
 
 if __name__ == "__main__":
-    pretrain_gpt.main()
+    main()

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt,
+from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
                              log_lines)
+from megatron_opt_train.flags import parse_args
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None,
                                 reason="megatron-core is not installed (pip install megatron-core)")
-pretrain_gpt = load_pretrain_gpt()
 
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
@@ -38,13 +38,10 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2
 
 @pytest.fixture(scope="module")
 def fixture_dir(tmp_path_factory):
-    import sys
-
-    sys.path.insert(0, SCRIPTS)
-    import pretrain_fixture
+    from megatron_opt_train.fixture import write_fixture
 
     out = tmp_path_factory.mktemp("data")
-    pretrain_fixture.write_fixture(str(out), merges=8, limit=300)
+    write_fixture(str(out), merges=8, limit=300)
     return out
 
 
@@ -90,7 +87,8 @@ def test_megatron_data_eval_and_log_blocks(fixture_dir, tmp_path):
     for name in ("forward-backward", "all-grads-sync", "optimizer", "optimizer-unscale-and-check-inf",
                  "optimizer-inner-step", "params-all-gather", "batch-generator", "forward-compute", "backward-compute"):
         assert a.count(f"    {(name + ' ').ljust(48, '.')}: (") == 4, (name, a)
-    for name in ("optimizer-unscale-and-check-inf", "optimizer-inner-step"):  # timed by the optimizer itself
+    # timed by the optimizer itself, and by megatron_opt.train_step, through OptimizerConfig.timers
+    for name in ("optimizer-unscale-and-check-inf", "optimizer-inner-step", "all-grads-sync", "optimizer"):
         times = re.findall(rf"    {re.escape((name + ' ').ljust(48, '.'))}: \(([0-9.]+), ([0-9.]+)\)", a)
         assert len(times) == 4 and all(float(high) > 0.0 for _, high in times), (name, times)
     assert "data: --data-path 30 " in a and "GPT2BPETokenizer vocabulary 265 padded to 384" in a, a
@@ -192,7 +190,7 @@ def test_data_flag_errors(fixture_dir, monkeypatch, capsys, flags, expected):
     monkeypatch.setenv("WORLD_SIZE", "1")
     flags = [str(fixture_dir / "corpus_text_document") if f == "PREFIX" else f for f in flags]
     with pytest.raises(SystemExit) as exc:
-        pretrain_gpt.parse_args(flags)
+        parse_args(flags)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("pretrain_gpt.py: error: ") and expected in err, err
     assert err.count("error:") == 1 and "usage:" not in err, err
@@ -201,9 +199,9 @@ def test_data_flag_errors(fixture_dir, monkeypatch, capsys, flags, expected):
 def test_data_flags_parse(fixture_dir, monkeypatch):
     """--split defaults to Megatron-LM's legacy "969, 30, 1" with --data-path (and the run says so)."""
     monkeypatch.setenv("WORLD_SIZE", "1")
-    args = pretrain_gpt.parse_args([*_data_block(fixture_dir)[:5], *_data_block(fixture_dir)[7:]])
+    args = parse_args([*_data_block(fixture_dir)[:5], *_data_block(fixture_dir)[7:]])
     assert args.split == "969, 30, 1" and args.data_split_defaulted
-    args = pretrain_gpt.parse_args(_data_block(fixture_dir))
+    args = parse_args(_data_block(fixture_dir))
     assert args.split == "90,8,2" and not args.data_split_defaulted and args.data_path[0] == "30"
 
 
@@ -213,7 +211,7 @@ def test_missing_megatron_core_is_a_clear_error(monkeypatch, capsys):
                         lambda name, *a: None if name.startswith("megatron") else real(name, *a))
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(SystemExit):
-        pretrain_gpt.parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
+        parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "10"])
     err = capsys.readouterr().err
     assert "use megatron-core's data code (megatron.core.datasets), which is not installed: `pip install " \
            "megatron-core`" in err, err

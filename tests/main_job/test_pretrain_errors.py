@@ -21,11 +21,11 @@ import time
 
 import pytest
 
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines
+from megatron_opt_train.flags import parse_args
 
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2"]
 
-pretrain_gpt = load_pretrain_gpt()
 
 # (flags, strings stderr must contain)
 BAD = [
@@ -64,7 +64,7 @@ BAD = [
 def test_invalid_flag_is_a_parser_error(monkeypatch, capsys, flags, expected):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
     with pytest.raises(SystemExit) as exc:
-        pretrain_gpt.parse_args()
+        parse_args()
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "pretrain_gpt.py: error:" in err
@@ -76,10 +76,10 @@ def test_valid_flags_pass(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *SMALL, "--steps", "6", "--warmup-steps", "0", "--fp16",
                                       "--initial-loss-scale", "1", "--save-interval", "1", "--exit-interval", "3",
                                       "--watchdog-multiple", "0", "--distributed-timeout-minutes", "1"])
-    args = pretrain_gpt.parse_args()
+    args = parse_args()
     assert args.watchdog_multiple == 0 and args.distributed_timeout_minutes == 1
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])  # the README command's defaults
-    args = pretrain_gpt.parse_args()
+    args = parse_args()
     assert (args.distributed_timeout_minutes, args.watchdog_multiple, args.watchdog_min_seconds) == (10, 20, 60)
 
 
@@ -288,7 +288,7 @@ def test_a_slow_checkpoint_save_does_not_trip_the_watchdog(tmp_path):
 
 def test_unwatched_time_is_not_step_time():
     """The median the limit scales with leaves out unwatched time, so a slow save cannot raise it."""
-    from step_watchdog import StepWatchdog  # scripts/ is on sys.path (load_pretrain_gpt)
+    from megatron_opt_train.components.watchdog import StepWatchdog
 
     watchdog = StepWatchdog(rank=0, multiple=0, min_seconds=1, warmup=0)  # multiple 0: no watching thread
     with watchdog.step(1):

@@ -28,13 +28,14 @@ import pytest
 import torch
 
 import megatron_opt as mo
-from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt,
+from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
                              log_lines)
+from megatron_opt_train.flags import DEMO_DEFAULTS, parse_args
+from megatron_opt_train.components.model import GPT
 from megatron_opt.megatron import arguments as megatron_args
 
 RUN_TIMEOUT_S = 240
 
-pretrain_gpt = load_pretrain_gpt()
 
 
 def _has_tensorboard() -> bool:
@@ -105,14 +106,14 @@ def _read_json_log(path) -> list[dict]:
 def _parse(monkeypatch, flags: list[str], world: int = 2):
     """parse_args as under torchrun with ``world`` ranks, and what the flags configure (_run)."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
-    args = pretrain_gpt.parse_args(flags)
+    args = parse_args(flags)
     return args, _run(args)
 
 
 def _run(args) -> SimpleNamespace:
     """The configs megatron_opt.megatron.arguments maps the flags to, the batch and run length the
     flags resolve to, and the shape of the script's model."""
-    model = pretrain_gpt.GPT(10, args)
+    model = GPT(10, args)
     block = model.blocks[0]
     return SimpleNamespace(
         ddp_config=megatron_args.ddp_config_from_args(args),
@@ -345,7 +346,7 @@ def test_flag_maps_to_config(monkeypatch, flags, expected):
 
 def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
     """No flags (the README command): Megatron-LM's defaults, except where it has none or a no-flag demo
-    needs another (pretrain_gpt.DEMO_DEFAULTS)."""
+    needs another (DEMO_DEFAULTS)."""
     args, run = _parse(monkeypatch, [])
     oc, dc, sk = run.optimizer_config, run.ddp_config, run.scheduler_kwargs
     megatron = [
@@ -363,7 +364,7 @@ def test_defaults_are_megatrons_except_the_demo_ones(monkeypatch):
     ]
     for i, (got, want) in enumerate(megatron):
         assert got == want and type(got) is type(want), (i, got, want)
-    demo = pretrain_gpt.DEMO_DEFAULTS
+    demo = DEMO_DEFAULTS
     assert (oc.lr, run.train_iters, run.micro_batch_size, run.seq_length, args.log_interval) == (
         demo["lr"], demo["train_iters"], demo["micro_batch_size"], demo["seq_length"], demo["log_interval"])
     assert args.lr_warmup_iters == 5 and sk["lr_warmup_steps"] == 5 * run.global_batch_size
@@ -548,7 +549,7 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
 ])
 def test_noop_values_are_accepted(monkeypatch, flags):
     args, run = _parse(monkeypatch, flags)
-    assert run.train_iters == pretrain_gpt.DEMO_DEFAULTS["train_iters"]
+    assert run.train_iters == DEMO_DEFAULTS["train_iters"]
 
 
 @pytest.mark.parametrize("flags, listed", [
@@ -621,10 +622,9 @@ def test_tensorboard_missing_is_a_clear_error(monkeypatch, capsys, tmp_path):
 
 
 def test_tensorboard_missing_on_the_command_line(tmp_path):
-    # Hide tensorboard from the script whether or not it is installed here; run it as python does (its
-    # folder first on sys.path).
+    # Hide tensorboard from the script whether or not it is installed here; run it as python does.
     hide = ("import runpy, sys; sys.modules['tensorboard'] = None; sys.modules['torch.utils.tensorboard'] = None; "
-            f"sys.path.insert(0, {SCRIPTS!r}); sys.argv = [{SCRIPT!r}, '--tensorboard-dir', {str(tmp_path / 'tb')!r}]; "
+            f"sys.argv = [{SCRIPT!r}, '--tensorboard-dir', {str(tmp_path / 'tb')!r}]; "
             f"runpy.run_path({SCRIPT!r}, run_name='__main__')")
     out = subprocess.run([sys.executable, "-c", hide], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                          env=ENV, cwd=ROOT)

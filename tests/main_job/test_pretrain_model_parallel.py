@@ -4,7 +4,7 @@ through its schedule and finalize_model_grads on megatron_opt, on CPU/gloo under
 TP2 (sequence parallel) x PP2 (two virtual stages) x DP2 at 8 ranks logs the same per-iteration loss
 and grad norm as TP1 x PP1 x DP2 at 2 ranks on the same global batch, to fp32 reduction order;
 EP2 with two experts trains; the layouts the script cannot run are refused before any process group;
-the CPU patches of megatron-core (scripts/megatron_core_on_cpu.py) are applied and undone."""
+the CPU patches of megatron-core (megatron_opt_train/components/megatron_core_on_cpu.py) are applied and undone."""
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from main_job_script import ENV, ROOT, SCRIPT, SCRIPTS, TORCHRUN, load_pretrain_gpt
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
+from megatron_opt_train.flags import parse_args
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs megatron-core")
 
@@ -106,38 +107,34 @@ def test_expert_parallel_trains(tmp_path):
      "into at least two virtual stages"),
 ])
 def test_layouts_the_script_cannot_run_are_refused(monkeypatch, capsys, world, flags, message):
-    pretrain_gpt = load_pretrain_gpt()
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as exc:
-        pretrain_gpt.parse_args(["--num-layers", "4", *flags])
+        parse_args(["--num-layers", "4", *flags])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("pretrain_gpt.py: error: ") and message in err, err
 
 
 def test_data_parallel_size_is_world_over_tp_pp_cp(monkeypatch):
-    pretrain_gpt = load_pretrain_gpt()
     monkeypatch.setenv("WORLD_SIZE", "8")
-    args = pretrain_gpt.parse_args(["--num-layers", "4", "--tensor-model-parallel-size", "2",
-                                    "--pipeline-model-parallel-size", "2", "--sequence-parallel",
-                                    "--micro-batch-size", "2", "--num-microbatches", "3"])
+    args = parse_args(["--num-layers", "4", "--tensor-model-parallel-size", "2",
+                       "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                       "--micro-batch-size", "2", "--num-microbatches", "3"])
     assert args.data_parallel_size == 2 and args.global_batch_size == 2 * 3 * 2 and args.sequence_parallel
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = pretrain_gpt.parse_args(["--sequence-parallel"])  # Megatron-LM: off at TP 1
+    args = parse_args(["--sequence-parallel"])  # Megatron-LM: off at TP 1
     assert args.data_parallel_size == 2 and not args.sequence_parallel
 
 
 # ----------------------------------------------------------------------------- the CPU patches
 def test_cpu_patches_apply_and_undo():
-    if SCRIPTS not in sys.path:
-        sys.path.insert(0, SCRIPTS)
     import megatron.core.models.backends as backends
     import megatron.core.tensor_parallel.layers as tp_layers
     import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    import megatron_core_on_cpu
+    from megatron_opt_train.components import megatron_core_on_cpu
 
     before = {"cuda": "cuda" in vars(torch.Tensor), "gemm": "te_general_gemm" in vars(moe_utils),
               "reduce": tp_layers.reduce_from_tensor_model_parallel_region, "ln": backends.LNImpl,

@@ -20,7 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import megatron_opt.checkpoint as ckpt
-from main_job_script import load_pretrain_gpt, write_fake_manifest
+from main_job_script import write_fake_manifest
+from megatron_opt_train.flags import parse_args
 # the model-parallel test's tiny model (4 iterations), launcher and fp32 reduction-order tolerances
 from test_pretrain_model_parallel import LOSS_RTOL, NORM_RTOL, _pretrain
 
@@ -106,11 +107,10 @@ def test_tp2_pp2_checkpoint_continues_at_tp1(saved):
 
 
 def _refused(monkeypatch, capsys, world: int, flags: list[str]) -> str:
-    pretrain_gpt = load_pretrain_gpt()
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit) as exc:
-        pretrain_gpt.parse_args(["--num-layers", "4", *flags])
+        parse_args(["--num-layers", "4", *flags])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.startswith("pretrain_gpt.py: error: ") and err.count("error:") == 1, err
     return err

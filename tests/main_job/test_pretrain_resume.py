@@ -20,10 +20,10 @@ import pytest
 
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, load_pretrain_gpt, log_lines, write_fake_manifest
+from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines, write_fake_manifest
+from megatron_opt_train.flags import parse_args
 from megatron_opt.megatron import arguments as megatron_args
 
-pretrain_gpt = load_pretrain_gpt()
 SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
          "--micro-batch-size", "2", "--global-batch-size", "12", "--lr", "3e-3", "--lr-warmup-iters", "1",
          "--eval-iters", "0"]
@@ -40,7 +40,7 @@ def _fake_checkpoint(root, iterations: list[int], tracker: bool = True) -> None:
 
 def _parse(monkeypatch, flags: list[str]):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    return pretrain_gpt.parse_args(flags)
+    return parse_args(flags)
 
 
 def _refused(monkeypatch, capsys, flags: list[str]) -> str:
@@ -83,7 +83,7 @@ def test_load_and_save_rules(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_warnings_name_what_differs(monkeypatch):
-    import pretrain_resume  # scripts/ is on sys.path (load_pretrain_gpt)
+    from megatron_opt_train.components import resume as pretrain_resume
 
     args = _parse(monkeypatch, [*SMALL, "--train-iters", "8", "--override-opt_param-scheduler"])
     sched = megatron_args.scheduler_from_args(type("Groups", (), {"param_groups": []})(), args)
@@ -128,7 +128,7 @@ def test_resume_without_tracker_at_another_dp_with_the_command_lines_schedule(tm
     assert [int(m["iteration"]) for m in log_lines(second)] == [5, 6, 7, 8]
     # the lr of iterations 5-8 is the command line's 8-iteration schedule after 48 samples, not 0
     monkeypatch.setenv("WORLD_SIZE", "3")
-    args = pretrain_gpt.parse_args([*SMALL, *flags])
+    args = parse_args([*SMALL, *flags])
     group = {"params": [], "wd_mult": 1.0}
     sched = mo.OptimizerParamScheduler(type("G", (), {"param_groups": [group]})(),
                                        **megatron_args.scheduler_kwargs_from_args(args))

@@ -37,3 +37,40 @@ def test_nothing_outside_the_adapter_imports_it():
 def test_relative_imports_are_resolved():
     names = _imported_modules(PACKAGE / "distributed" / "ddp_call.py")  # from ..config_conversion import ...
     assert "megatron_opt.config_conversion.as_ddp_config" in names and "megatron_opt.distributed.layout" in names
+
+
+def _application_imports() -> dict[str, list[str]]:
+    """{module path: the absolute names it imports} for every module of megatron_opt_train."""
+    import megatron_opt_train
+
+    app = Path(megatron_opt_train.__file__).resolve().parent
+    out = {}
+    for path in sorted(app.rglob("*.py")):
+        package = ".".join(("megatron_opt_train",) + path.relative_to(app).with_suffix("").parts)
+        if path.name != "__init__.py":
+            package = package.rsplit(".", 1)[0]
+        names = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                names.append(".".join(base + ([node.module] if node.module else [])))
+            elif isinstance(node, ast.Import):
+                names += [a.name for a in node.names]
+        out[str(path.relative_to(app))] = names
+    return out
+
+
+def test_the_library_does_not_import_the_application():
+    offenders = [f"{path.relative_to(PACKAGE)} imports {name}" for path in sorted(PACKAGE.rglob("*.py"))
+                 for name in _imported_modules(path) if name.split(".")[0] == "megatron_opt_train"]
+    assert not offenders, offenders
+
+
+def test_only_the_application_parts_that_need_megatron_core_import_it():
+    """megatron-core stays optional for the main job: its data flags, its CPU patches and the
+    model-parallel runner import it (inside functions), nothing else."""
+    allowed = {"components/data.py", "components/megatron_core_on_cpu.py", "runners/megatron_core.py",
+               "runners/megatron_core_model.py", "fixture.py"}
+    offenders = [f"{path} imports {name}" for path, names in _application_imports().items() if path not in allowed
+                 for name in names if name == "megatron" or name.startswith("megatron.")]
+    assert not offenders, offenders

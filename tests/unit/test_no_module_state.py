@@ -39,3 +39,12 @@ def test_no_module_level_mutable_state():
     offences = [f"{path.relative_to(PACKAGE)} {o}" for path in sorted(PACKAGE.rglob("*.py"))
                 for o in _offences(path.read_text())]
     assert not offences, "module-level mutable state:\n" + "\n".join(offences)
+
+
+def test_no_module_level_mutable_state_in_the_application():
+    import megatron_opt_train
+
+    app = Path(megatron_opt_train.__file__).resolve().parent
+    offences = [f"{path.relative_to(app)} {o}" for path in sorted(app.rglob("*.py"))
+                for o in _offences(path.read_text())]
+    assert not offences, "module-level mutable state:\n" + "\n".join(offences)

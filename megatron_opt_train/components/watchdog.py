@@ -1,7 +1,7 @@
-"""A step watchdog for training scripts: a rank whose step hangs exits instead of waiting silently.
+"""A step watchdog for the main job: a rank whose step hangs exits instead of waiting silently.
 
 A rank waiting in a collective for a peer that is stopped, hung or gone would otherwise sit there
-until the process group's timeout (scripts/pretrain_gpt.py's --watchdog-multiple, --watchdog-min-seconds).
+until the process group's timeout (--watchdog-multiple, --watchdog-min-seconds).
 """
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ GPT2_EOD = "<|endoftext|>"
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> None:
-    """Megatron-LM's data and tokenizer flags that this script implements."""
+    """Megatron-LM's data and tokenizer flags that the main job implements."""
     g = parser.add_argument_group("data and tokenizer (Megatron-LM's; megatron-core needed)")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="indexed dataset prefixes (PREFIX.bin/.idx), each optionally preceded by its weight")

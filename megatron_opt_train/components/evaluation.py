@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from pretrain_data import BatchSource
+from .data import BatchSource
 
 
 def add_eval_args(parser: argparse.ArgumentParser, eval_iters_default: int) -> None:
