@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import megatron_opt.ops as ops
-import front
+from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
-from common import assert_within as _assert_within
+from tests.support.gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
+from tests.support.common import assert_within as _assert_within
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
 GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

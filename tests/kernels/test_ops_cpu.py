@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import front
+from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable
 
 torch.set_num_threads(1)

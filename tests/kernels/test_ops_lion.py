@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
-import front
+from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
-from common import assert_within as _assert_within
+from tests.support.gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
+from tests.support.common import assert_within as _assert_within
 
 LR = [1e-2, 3e-3]
 WD = [0.1, 0.0]  # group 1 has no decay: the kernel's `decay != 0` branch is taken both ways

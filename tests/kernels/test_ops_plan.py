@@ -9,7 +9,7 @@ stats; a captured CUDA graph replaying the current lr; a shard on a second devic
 """
 from __future__ import annotations
 
-from gap_helpers import pieces_table  # noqa: E402
+from tests.support.gap_helpers import pieces_table  # noqa: E402
 
 import math
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
-import front
+from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
 from megatron_opt.ops.step_plan import CHUNK
 

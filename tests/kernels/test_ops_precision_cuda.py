@@ -28,8 +28,8 @@ import pytest
 import torch
 
 import megatron_opt.ops as ops
-import front
-from gap_helpers import as_bits, piece_mask, pieces_table
+from tests.kernels import front
+from tests.support.gap_helpers import as_bits, piece_mask, pieces_table
 from megatron_opt.ops import precision
 from megatron_opt.ops.piece_table import PieceTable, full_table
 

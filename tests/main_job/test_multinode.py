@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from main_job_script import ENV, ROOT, SCRIPT
+from tests.main_job.main_job_script import ENV, ROOT, SCRIPT
 
 RUN_TIMEOUT_S = 180
 TRAIN = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_opt.checkpoint as ckpt
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
+from tests.main_job.main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
 
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2",
          "--warmup-steps", "2", "--use-distributed-optimizer"]

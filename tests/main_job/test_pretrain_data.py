@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
+from tests.main_job.main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
                              log_lines)
 from megatron_opt_train.flags import parse_args
 

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines
+from tests.main_job.main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines
 from megatron_opt_train.flags import parse_args
 
 SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--micro-batch-size", "2"]

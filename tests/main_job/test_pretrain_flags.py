@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import megatron_opt as mo
-from main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
+from tests.main_job.main_job_script import (ENV, MEGATRON_VALIDATION_LINE, ROOT, SCRIPT, TORCHRUN,
                              log_lines)
 from megatron_opt_train.flags import DEMO_DEFAULTS, parse_args
 from megatron_opt_train.components.model import GPT
@@ -169,7 +169,7 @@ def test_llama3_launch_block_runs_at_dp2(tmp_path, monkeypatch):
     assert all(m["num_zeros"] is not None and m["tflops"] is not None for m in lines), out.stdout
     assert "data: mock data (megatron-core's MockGPTDataset), split '99,1,0'" in out.stdout, out.stdout
     # megatron-core 0.16's NullTokenizer adds its EOD to --vocab-size; 0.19's (Megatron-LM main's) is the last id of it
-    from megatron_lm_configs import installed_label
+    from tests.support.megatron_lm_configs import installed_label
     null_vocab = 1001 if installed_label() == "core_v0.16.1" else 1000
     assert f"NullTokenizer vocabulary {null_vocab} padded to 1024" in out.stdout, out.stdout
     validations = [m["prefix"] for m in map(MEGATRON_VALIDATION_LINE.match, out.stdout.splitlines()) if m]

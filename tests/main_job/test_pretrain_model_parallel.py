@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
+from tests.main_job.main_job_script import ENV, ROOT, SCRIPT, TORCHRUN
 from megatron_opt_train.flags import parse_args
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs megatron-core")

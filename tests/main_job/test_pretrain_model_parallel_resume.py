@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 import megatron_opt.checkpoint as ckpt
-from main_job_script import write_fake_manifest
+from tests.main_job.main_job_script import write_fake_manifest
 from megatron_opt_train.flags import parse_args
 # the model-parallel test's tiny model (4 iterations), launcher and fp32 reduction-order tolerances
-from test_pretrain_model_parallel import LOSS_RTOL, NORM_RTOL, _pretrain
+from tests.main_job.test_pretrain_model_parallel import LOSS_RTOL, NORM_RTOL, _pretrain
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron.core") is None, reason="needs megatron-core")
 

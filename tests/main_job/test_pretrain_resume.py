@@ -20,7 +20,7 @@ import pytest
 
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
-from main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines, write_fake_manifest
+from tests.main_job.main_job_script import ENV, ROOT, SCRIPT, TORCHRUN, log_lines, write_fake_manifest
 from megatron_opt_train.flags import parse_args
 from megatron_opt.megatron import arguments as megatron_args
 
