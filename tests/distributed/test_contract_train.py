@@ -126,10 +126,11 @@ def test_contract_10_one_count_all_reduce_per_step(pools):
     for rank, r in enumerate(res):
         for step in range(len(r["steps"])):
             calls = [c for c in r["calls"] if c["step"] == step]
-            # Besides the one that carries N and the loss sums, train_step may issue exactly one
-            # fixed 5-element agreement (did any rank fail, do the aux names agree) before the last backward.
+            # Besides the one that carries N and the loss sums, train_step may issue at most one
+            # agreement (did any rank fail, do the aux names agree) before the last backward; its
+            # length is the agreement's business, not the contract's.
             agreement = [c for c in calls if c["phase"] == "agreement"]
-            assert len(agreement) <= 1 and all(c["numel"] == 5 for c in agreement), agreement
+            assert len(agreement) <= 1, agreement
             counts = [c for c in calls if c["phase"] == "train_step"]
             assert len(counts) == 1, f"rank {rank} step {step}: all-reduces outside the optimizer: {calls}"
 
