@@ -1,0 +1,99 @@
+"""Home ranks for Muon matrices (megatron_opt.optimizer.muon_homes): hand-checkable placements."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_opt.optimizer.muon_homes import (
+    MatrixPlacement,
+    assign_homes,
+    newton_schulz_cost,
+    placement_cost,
+    rank_costs,
+    traffic_elements,
+)
+
+
+def test_cost_formula_by_hand() -> None:
+    # s=2, l=3: one step 2*2*(2*3+2) = 32; five steps 160; orientation does not matter.
+    assert newton_schulz_cost((2, 3), steps=1) == 32.0
+    assert newton_schulz_cost((3, 2)) == 160.0
+    assert newton_schulz_cost((4, 4), steps=0) == 0.0
+    # Split QKV: three (2, 6) problems, each 5 * 4 * 14 = 280.
+    assert placement_cost(MatrixPlacement((6, 6), (36,), pieces=3)) == 3 * 280.0
+
+
+def test_matrix_owned_by_one_rank_is_home_there_and_moves_nothing() -> None:
+    placements = [MatrixPlacement((4, 5), (0, 0, 20, 0)), MatrixPlacement((3, 3), (9, 0, 0, 0))]
+    homes = assign_homes(placements, dp_size=4)
+    assert homes == [2, 0]
+    assert traffic_elements(placements, homes) == 0
+
+
+def test_straddling_matrix_home_is_an_owner_and_traffic_counts_the_rest_twice() -> None:
+    # 4x6 = 24 elements: rank 1 owns 10, rank 2 owns 14. Home rank 2 (owns most, both idle):
+    # rank 1 sends 10 elements there and gets 10 back.
+    placement = MatrixPlacement((4, 6), (0, 10, 14))
+    homes = assign_homes([placement], dp_size=3)
+    assert homes == [2]
+    assert traffic_elements([placement], homes) == 20
+    assert traffic_elements([placement], [1]) == 28
+    assert traffic_elements([placement], [0]) == 48  # a non-owner home would receive everything
+
+
+def test_balance_on_many_equal_matrices() -> None:
+    # 16 equal matrices every rank owns a share of: greedy puts 4 on each of 4 ranks.
+    placements = [MatrixPlacement((8, 8), (16, 16, 16, 16)) for _ in range(16)]
+    homes = assign_homes(placements, dp_size=4)
+    assert sorted(homes.count(r) for r in range(4)) == [4, 4, 4, 4]
+    costs = rank_costs(placements, homes, dp_size=4)
+    assert max(costs) == min(costs)
+
+
+def test_largest_first_balances_unequal_matrices() -> None:
+    # Costs 4c (shape 16x16 ~ 8x the 8x8 cost), and eight small ones; every rank owns a share of each.
+    big, small = (16, 16), (8, 8)
+    placements = [MatrixPlacement(small, (32, 32)) for _ in range(8)] + [MatrixPlacement(big, (128, 128))]
+    homes = assign_homes(placements, dp_size=2)
+    assert newton_schulz_cost(big) == 8 * newton_schulz_cost(small)
+    assert homes[-1] != homes[0]  # the big one alone on one rank, the eight small on the other
+    assert len(set(homes[:8])) == 1
+    costs = rank_costs(placements, homes, dp_size=2)
+    assert costs[0] == costs[1]
+
+
+def test_deterministic_and_independent_of_call_history() -> None:
+    rng = random.Random(7)
+    placements = []
+    for _ in range(40):
+        rows, cols = rng.randint(1, 9), rng.randint(1, 9)
+        cuts = sorted(rng.randint(0, rows * cols) for _ in range(3))
+        owned = (cuts[0], cuts[1] - cuts[0], cuts[2] - cuts[1], rows * cols - cuts[2])
+        placements.append(MatrixPlacement((rows, cols), owned))
+    first = assign_homes(placements, dp_size=4)
+    assign_homes(placements[::-1], dp_size=4)
+    assert assign_homes(list(placements), dp_size=4) == first
+    for placement, home in zip(placements, first):
+        assert placement.owned[home] > 0
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: MatrixPlacement((2, 3), (1, 2)), "sums to 3, not rows\\*cols = 6"),
+        (lambda: MatrixPlacement((2,), (2,)), "shape must be two positive ints"),
+        (lambda: MatrixPlacement((0, 3), ()), "shape must be two positive ints"),
+        (lambda: MatrixPlacement((2, 3), ()), "owned is empty"),
+        (lambda: MatrixPlacement((2, 3), (7, -1)), "non-negative"),
+        (lambda: MatrixPlacement((2, 3), (6,), pieces=0), "pieces must be a positive int"),
+        (lambda: assign_homes([MatrixPlacement((2, 3), (6,))], dp_size=2), "owned counts for 1 ranks, dp_size is 2"),
+        (lambda: assign_homes([], dp_size=0), "dp_size must be >= 1"),
+        (lambda: traffic_elements([MatrixPlacement((2, 3), (6,))], [1]), "home 1 of placement 0 is not a DP rank"),
+        (lambda: traffic_elements([MatrixPlacement((2, 3), (6,))], []), "0 homes for 1 placements"),
+        (lambda: newton_schulz_cost((3, 0)), "two positive sizes"),
+    ],
+)
+def test_invalid_input_names_the_problem(make, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
