@@ -52,7 +52,7 @@ def test_balance_on_many_equal_matrices() -> None:
 
 
 def test_largest_first_balances_unequal_matrices() -> None:
-    # Costs 4c (shape 16x16 ~ 8x the 8x8 cost), and eight small ones; every rank owns a share of each.
+    # One big matrix (16x16 costs 8x an 8x8) and eight small ones; every rank owns a share of each.
     big, small = (16, 16), (8, 8)
     placements = [MatrixPlacement(small, (32, 32)) for _ in range(8)] + [MatrixPlacement(big, (128, 128))]
     homes = assign_homes(placements, dp_size=2)
@@ -97,3 +97,25 @@ def test_deterministic_and_independent_of_call_history() -> None:
 def test_invalid_input_names_the_problem(make, message) -> None:
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_matrices_without_a_choice_are_placed_before_the_big_ones() -> None:
+    # Eight small matrices wholly on rank 0 (cost c each) and one big one (8c) both ranks own, rank 0 more.
+    # Largest first would put the big one on rank 0 (both idle, rank 0 owns more) and then the eight
+    # small ones on top of it (16c vs 0); fewest owners first gives 8c and 8c.
+    small = [MatrixPlacement((8, 8), (64, 0)) for _ in range(8)]
+    big = MatrixPlacement((16, 16), (200, 56))
+    homes = assign_homes([big, *small], dp_size=2)
+    assert homes == [1] + [0] * 8
+    assert rank_costs([big, *small], homes, dp_size=2) == [8 * newton_schulz_cost((8, 8))] * 2
+
+
+def test_a_move_off_the_busiest_rank_fixes_what_both_greedy_orders_miss() -> None:
+    # a: 3x3 (cost 405) on ranks 1 (6) and 2 (3); b: 2x2 (cost 120) on ranks 0 (1) and 1 (3); c: 3x3 wholly on
+    # rank 0. Both greedy orders give a -> 1 (owns more), c -> 0, then b -> 1 (tie at 405, owns more):
+    # [405, 525, 0]. Moving a to rank 2 gives [405, 120, 405].
+    a, b, c = MatrixPlacement((3, 3), (0, 6, 3)), MatrixPlacement((2, 2), (1, 3, 0)), MatrixPlacement((3, 3), (9, 0, 0))
+    assert (newton_schulz_cost((3, 3)), newton_schulz_cost((2, 2))) == (405.0, 120.0)
+    homes = assign_homes([a, b, c], dp_size=3)
+    assert homes == [2, 1, 0]
+    assert rank_costs([a, b, c], homes, dp_size=3) == [405.0, 120.0, 405.0]
