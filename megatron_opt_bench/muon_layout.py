@@ -33,11 +33,12 @@ from typing import Optional, Sequence
 from megatron_opt import DistributedDataParallelConfig
 from megatron_opt.distributed.grad_sync import bucket_size_of
 from megatron_opt.distributed.layout import BufferLayout, build_buffer_layout
-from megatron_opt.optimizer.muon_homes import MatrixPlacement, assign_homes, placement_cost, rank_costs, traffic_elements
+from megatron_opt.optimizer.muon_homes import MatrixPlacement, assign_homes, rank_costs, traffic_elements
 
 from .gpt_params import GptParam, GptShape, gpt_params, is_muon_matrix
 
-DTYPES = {"bf16": (2, 4), "fp32": (4, 4), "bf16-grads": (2, 2)}  # name: (param bytes, grad bytes); bf16 grads in fp32 by default
+# name: (param bytes, grad bytes); "bf16" reduces its grads in fp32 (grad_reduce_in_fp32), as Megatron-LM's recipes do
+DTYPES = {"bf16": (2, 4), "fp32": (4, 4), "bf16-grads": (2, 2)}
 MUON_BYTES = 4  # the update goes to the home and back in fp32
 HOME_POLICIES = ("balanced", "largest-owner")
 PRESETS = {

@@ -129,9 +129,9 @@ def _refine(placements: Sequence[MatrixPlacement], owners: Sequence[tuple[int, .
             if home != busiest:
                 continue
             for r in owners[i]:
-                after = load[r] + costs[i]
-                if r != busiest and after < load[busiest] and (best is None or (after, -placements[i].owned[r], i, r) < best):
-                    best = (after, -placements[i].owned[r], i, r)
+                move = (load[r] + costs[i], -placements[i].owned[r], i, r)
+                if r != busiest and move[0] < load[busiest] and (best is None or move < best):
+                    best = move
         if best is None:
             break
         _, _, i, r = best

@@ -64,7 +64,8 @@ def test_issue_bounds_on_a_24_layer_gpt_at_dp8(dtype, split_qkv):
     # 24 layers of 50,358,272 (2 norms, proj, qkv, fc1, fc2 with biases), word and position embeddings (tied
     # output), the final norm; megatron_opt's layout.
     row = layout_row("gpt", PRESETS["gpt"], dtype, 8, split_qkv)
-    assert row.params == 24 * 50_358_272 + 50304 * 2048 + 2048 * 2048 + 2 * 2048 and row.muon_matrices == 97 and row.straddling == 72
+    assert row.params == 24 * 50_358_272 + 50304 * 2048 + 2048 * 2048 + 2 * 2048
+    assert row.muon_matrices == 97 and row.straddling == 72
     assert row.ratio <= 1.25 and row.ns_max_over_mean <= 1.25, row
 
 
