@@ -69,6 +69,9 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard",
+                             # megatron-core's own Muon, the calibration of tests/mcore/test_muon_reference.py
+                             # (emerging-optimizers needs Python 3.12; on 3.11 that test skips, saying why)
+                             "emerging-optimizers; python_version >= '3.12'",
                              # megatron-core's checkpoint writer forks workers that import psutil
                              # before their error handling: without it every dist_checkpointing save hangs
                              "psutil",
