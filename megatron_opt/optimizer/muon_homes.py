@@ -1,0 +1,132 @@
+"""Home ranks for Muon matrices: which data-parallel rank runs each matrix's Newton-Schulz.
+
+Element-range ZeRO-1 gives each DP rank element ranges of the flat buffers, so a Muon matrix may straddle
+ranks. Newton-Schulz needs the whole matrix: one rank (its home) receives the other owners' pieces of the
+update, orthogonalises, and sends each owner its slice back. A matrix wholly owned by one rank moves
+nothing. This module chooses the homes from the layout alone (no processes): every rank computes the same
+answer from the same placements.
+
+The choice: matrices in decreasing Newton-Schulz cost, each to the owning rank with the least summed cost
+so far (ties: the rank owning most of the matrix, which moves the fewest elements, then the lowest rank).
+Only owners are candidates, so a home never receives a piece it already holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class MatrixPlacement:
+    """One Muon matrix as the element-range layout places it.
+
+    ``shape``: (rows, cols) of the tensor the rule orthogonalises (TP-local under TP).
+    ``owned``: elements of this matrix each DP rank owns, indexed by DP rank (sums to rows*cols).
+    ``pieces``: independent Newton-Schulz problems inside it (3 with split QKV: Q, K, V apart).
+    """
+
+    shape: tuple[int, int]
+    owned: tuple[int, ...]
+    pieces: int = 1
+
+    def __post_init__(self) -> None:
+        if len(self.shape) != 2 or any(int(d) != d or d < 1 for d in self.shape):
+            raise ValueError(f"MatrixPlacement.shape must be two positive ints (rows, cols), got {self.shape!r}")
+        if not self.owned:
+            raise ValueError("MatrixPlacement.owned is empty: it needs one count per DP rank")
+        if any(int(n) != n or n < 0 for n in self.owned):
+            raise ValueError(f"MatrixPlacement.owned must be non-negative ints, got {self.owned!r}")
+        numel = self.shape[0] * self.shape[1]
+        if sum(self.owned) != numel:
+            raise ValueError(
+                f"MatrixPlacement.owned sums to {sum(self.owned)}, not rows*cols = {numel} for shape {self.shape}"
+            )
+        if int(self.pieces) != self.pieces or self.pieces < 1:
+            raise ValueError(f"MatrixPlacement.pieces must be a positive int, got {self.pieces!r}")
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def owners(self) -> tuple[int, ...]:
+        """The DP ranks that own at least one element, in rank order."""
+        return tuple(rank for rank, n in enumerate(self.owned) if n > 0)
+
+
+def newton_schulz_cost(shape: tuple[int, int], steps: int = 5) -> float:
+    """Multiply-adds of ``steps`` quintic Newton-Schulz iterations on a (rows, cols) matrix.
+
+    Per iteration with s = min(rows, cols), l = max: A = X X^T (s*s*l), B = b*A + c*A A (s^3),
+    X = a*X + B X (s*s*l): about s^2 * (2l + s).
+    """
+    if len(shape) != 2 or not shape[0] > 0 or not shape[1] > 0:
+        raise ValueError(f"newton_schulz_cost: shape must be two positive sizes (rows, cols), got {shape!r}")
+    if steps < 0:
+        raise ValueError(f"newton_schulz_cost: steps must be >= 0, got {steps}")
+    s, l = min(shape), max(shape)
+    return float(steps) * s * s * (2 * l + s)
+
+
+def placement_cost(placement: MatrixPlacement, steps: int = 5) -> float:
+    """Newton-Schulz cost of one placement, its pieces taken as equal row blocks.
+
+    Exact for split QKV with as many query groups as heads (Q, K and V the same size); with fewer
+    query groups Q is larger than K and V and this is an estimate, which is all the balance needs.
+    """
+    rows, cols = placement.shape
+    return placement.pieces * newton_schulz_cost((rows / placement.pieces, cols), steps)
+
+
+def assign_homes(placements: Sequence[MatrixPlacement], dp_size: int, steps: int = 5) -> list[int]:
+    """Home DP rank per matrix (same order as ``placements``); deterministic from its arguments."""
+    if dp_size < 1:
+        raise ValueError(f"assign_homes: dp_size must be >= 1, got {dp_size}")
+    for index, placement in enumerate(placements):
+        if len(placement.owned) != dp_size:
+            raise ValueError(
+                f"assign_homes: placement {index} has owned counts for {len(placement.owned)} ranks, dp_size is {dp_size}"
+            )
+    costs = [placement_cost(p, steps) for p in placements]
+    # Largest first; equal costs keep their given order so the answer is a function of the input alone.
+    order = sorted(range(len(placements)), key=lambda i: (-costs[i], i))
+    load = [0.0] * dp_size
+    homes = [0] * len(placements)
+    for i in order:
+        placement = placements[i]
+        home = min(placement.owners(), key=lambda r: (load[r], -placement.owned[r], r))
+        homes[i] = home
+        load[home] += costs[i]
+    return homes
+
+
+def rank_costs(placements: Sequence[MatrixPlacement], homes: Sequence[int], dp_size: int, steps: int = 5) -> list[float]:
+    """Summed Newton-Schulz cost per DP rank for these homes."""
+    _check_homes(placements, homes)
+    load = [0.0] * dp_size
+    for placement, home in zip(placements, homes):
+        load[home] += placement_cost(placement, steps)
+    return load
+
+
+def traffic_elements(placements: Sequence[MatrixPlacement], homes: Sequence[int]) -> int:
+    """Elements sent per step: every non-home owner's piece to the home, and the same slice back."""
+    _check_homes(placements, homes)
+    return sum(2 * (p.numel - p.owned[home]) for p, home in zip(placements, homes))
+
+
+def _check_homes(placements: Sequence[MatrixPlacement], homes: Sequence[int]) -> None:
+    if len(homes) != len(placements):
+        raise ValueError(f"{len(homes)} homes for {len(placements)} placements")
+    for index, (placement, home) in enumerate(zip(placements, homes)):
+        if not 0 <= home < len(placement.owned):
+            raise ValueError(f"home {home} of placement {index} is not a DP rank (dp_size {len(placement.owned)})")
+
+
+__all__ = [
+    "MatrixPlacement",
+    "assign_homes",
+    "newton_schulz_cost",
+    "placement_cost",
+    "rank_costs",
+    "traffic_elements",
+]
