@@ -167,3 +167,23 @@ def refused_with_tensor_parallel_group() -> str:
     except mo.UnsupportedConfigError as exc:
         return str(exc)
     return "not refused"
+
+
+def failure_on_one_rank() -> dict:
+    """An invalid lr on the last rank only: that rank fails before its update while the others have
+    run Muon's first part; every rank must raise RankError together (none left in the exchange)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = MuonNet()
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True),
+                                    ddp)
+    if rank == world - 1:
+        opt.param_groups[0]["lr"] = float("nan")
+    ddp.zero_grad_buffer()
+    _loss(ddp, *batch(0, rank)).backward()
+    try:
+        opt.step()
+    except mo.RankError as exc:
+        return dict(error=str(exc))
+    return dict(error=None)

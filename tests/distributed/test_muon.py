@@ -77,3 +77,8 @@ def test_muon_skipped_step_changes_nothing(pools):
 def test_muon_refuses_tensor_parallelism(pools):
     for message in pools(2).run(cases_muon.refused_with_tensor_parallel_group, timeout=TIMEOUT):
         assert "data parallelism only" in message and "tensor_parallel_group" in message
+
+
+def test_muon_update_failure_on_one_rank_raises_everywhere(pools):
+    for res in pools(3).run(cases_muon.failure_on_one_rank, timeout=60):
+        assert res["error"] is not None and "rank 2" in res["error"], res
