@@ -7,8 +7,9 @@ field gets one of the treatments below, decided here once and for all megatron-c
 (0.16.1, 0.19.2 and Megatron-LM main's core, 2026-08):
 
 - ``Inert``: any value is accepted, because the field cannot change what megatron_opt computes: it is
-  read only by a feature megatron_opt refuses (Megatron-FSDP, CPU offload, fp8 params, Muon-family
-  optimizers while ``optimizer`` is not one of them), or it is a kernel-fusion or registration detail.
+  read only by a feature megatron_opt refuses (Megatron-FSDP, CPU offload, fp8 params, adaptive Muon),
+  or it is a kernel-fusion or registration detail.
+- ``Renamed``: an older megatron-core name of one of megatron_opt's fields; its value is converted.
 - ``DefaultOnly``: accepted at megatron-core's default only, refused by name otherwise: another value
   would change the training and megatron_opt does not implement it.
 

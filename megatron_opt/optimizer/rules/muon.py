@@ -45,14 +45,17 @@ def uses_muon(param: torch.Tensor) -> bool:
     return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
 
 
+_SCALES = {  # (rows, cols) of the orthogonalised piece -> its scale
+    "spectral": lambda m, n: max(m, n) ** 0.5,
+    "unit_rms_norm": lambda m, n: (m / n) ** 0.5,
+    "shape_scaling": lambda m, n: max(1.0, m / n) ** 0.5,
+}
+
+
 def scale_factor(rows: int, cols: int, mode: str) -> float:
-    if mode == "spectral":
-        return max(rows, cols) ** 0.5
-    if mode == "unit_rms_norm":
-        return (rows / cols) ** 0.5
-    if mode == "shape_scaling":
-        return max(1.0, rows / cols) ** 0.5
-    raise InvalidConfigError(f"muon_scale_mode={mode!r}: use one of {SCALE_MODES}.")
+    if mode not in _SCALES:
+        raise InvalidConfigError(f"muon_scale_mode={mode!r}: use one of {SCALE_MODES}.")
+    return _SCALES[mode](rows, cols)
 
 
 @contextlib.contextmanager
