@@ -78,7 +78,7 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
 
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,
           split_qkv: bool = True, scale_mode: str = "spectral", extra_scale: float = 1.0,
-          inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest") -> dict:
+          inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False) -> dict:
     """Train MuonNet ``steps`` steps at this world size; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -95,14 +95,20 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
         grad_reduce_in_fp32=True))
     lr = 0.02
-    cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
                              use_distributed_optimizer=True, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
                              muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
                              muon_fp32_matmul_prec=matmul_prec)
     opt = mo.get_megatron_optimizer(cfg, ddp)
     reference = rm.reference_muon(ref, lr, weight_decay, split_shapes=SPLIT, nesterov=nesterov,
                                   split_qkv=split_qkv, scale_mode=scale_mode, extra_scale_factor=extra_scale)
-    names = [n for n, _ in model.named_parameters()]
+    schedulers = []
+    if scheduled:  # one OptimizerParamScheduler drives both children (and, alike, the reference's groups)
+        for target in (opt, reference):
+            schedulers.append(mo.OptimizerParamScheduler(
+                target, init_lr=lr / 4, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=2, lr_decay_steps=6,
+                lr_decay_style="cosine", start_wd=weight_decay, end_wd=2 * weight_decay, wd_incr_steps=6,
+                wd_incr_style="linear"))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     ref_params = dict(ref.named_parameters())
     initial = {n: p.detach().clone() for n, p in ref.named_parameters()}
@@ -135,6 +141,8 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
             (_loss(ref, xr, tr) / world).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip if clip > 0 else float("inf")))
         reference.step()
+        for scheduler in schedulers:
+            scheduler.step(1)
         out["norm_rel"].append(abs(norm - ref_norm) / ref_norm)
         # Params: the error relative to the reference's change since the start (the params themselves
         # move little, so an error relative to them would hide a wrong update).
@@ -187,3 +195,41 @@ def failure_on_one_rank() -> dict:
     except mo.RankError as exc:
         return dict(error=str(exc))
     return dict(error=None)
+
+
+def resume_is_bitwise(dtype: str) -> dict:
+    """state_dict after 2 steps, one more step, load it back, the same step again: the same params and
+    momentum bitwise (the load rounds the masters into the params and all-gathers them)."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = MuonNet()
+    if dtype == "bf16":
+        model = model.bfloat16()
+        model.emb.weight.is_embedding_or_output_parameter = True
+        model.attn.linear_qkv.weight.qkv_split_shapes = SPLIT
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(optimizer="muon", lr=0.02, bf16=dtype == "bf16",
+                                                       use_distributed_optimizer=True, muon_nesterov=True), ddp)
+
+    def step(i: int) -> None:
+        ddp.zero_grad_buffer()
+        _loss(ddp, *batch(i, rank)).backward()
+        opt.step()
+        ddp.finish_param_sync()
+
+    step(0)
+    step(1)
+    saved = opt.state_dict()
+    step(2)
+    first = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict())
+    opt.load_state_dict(saved)
+    ddp.finish_param_sync()
+    step(2)
+    second = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict())
+    momentum = first[1]["state"]["momentum_buffer"]
+    return dict(params=all(torch.equal(first[0][n], second[0][n]) for n in first[0]),
+                momentum=all(torch.equal(v["values"], second[1]["state"]["momentum_buffer"][k]["values"])
+                             for k, v in momentum.items()),
+                moved=not all(torch.equal(saved["state"]["momentum_buffer"][k]["values"], v["values"])
+                              for k, v in momentum.items()))

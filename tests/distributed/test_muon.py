@@ -82,3 +82,14 @@ def test_muon_refuses_tensor_parallelism(pools):
 def test_muon_update_failure_on_one_rank_raises_everywhere(pools):
     for res in pools(3).run(cases_muon.failure_on_one_rank, timeout=60):
         assert res["error"] is not None and "rank 2" in res["error"], res
+
+
+def test_muon_with_scheduler_lr_and_wd_per_group(pools):
+    """OptimizerParamScheduler drives both children's groups (warmup, cosine decay, wd increase)."""
+    _check(pools(3).run(cases_muon.train, "fp32", 4, scheduled=True, timeout=TIMEOUT), FP32, 4)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_muon_state_dict_resume_is_bitwise(pools, dtype):
+    for res in pools(3).run(cases_muon.resume_is_bitwise, dtype, timeout=TIMEOUT):
+        assert res == dict(params=True, momentum=True, moved=True)
