@@ -78,7 +78,8 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
 
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,
           split_qkv: bool = True, scale_mode: str = "spectral", extra_scale: float = 1.0,
-          inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False) -> dict:
+          inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False,
+          bucket_size: Optional[int] = None, distributed: bool = True) -> dict:
     """Train MuonNet ``steps`` steps at this world size; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -92,11 +93,11 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
         model.emb.weight.is_embedding_or_output_parameter = True
         model.attn.linear_qkv.weight.qkv_split_shapes = SPLIT
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True,
-        grad_reduce_in_fp32=True))
+        use_distributed_optimizer=distributed, overlap_grad_reduce=True, overlap_param_gather=distributed,
+        grad_reduce_in_fp32=True, bucket_size=bucket_size))
     lr = 0.02
     cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
-                             use_distributed_optimizer=True, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
+                             use_distributed_optimizer=distributed, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
                              muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
                              muon_fp32_matmul_prec=matmul_prec)
     opt = mo.get_megatron_optimizer(cfg, ddp)
@@ -165,13 +166,17 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
 
 
 
-def refused_with_tensor_parallel_group() -> str:
-    """TP is not implemented for Muon yet: refused by name, on every rank alike, before any collective."""
+def refused(kind: str) -> str:
+    """What is not implemented for Muon yet is refused by name, on every rank alike, before any collective."""
     model = MuonNet()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
-    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True)
+    options = dict(verify_interval=1) if kind == "verify" else {}
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True, **options)
+    extra = {}
+    if kind == "tensor_parallel_group":
+        extra["tensor_parallel_group"] = dist.new_group(list(range(dist.get_world_size())))
     try:
-        mo.get_megatron_optimizer(cfg, ddp, tensor_parallel_group=dist.new_group(list(range(dist.get_world_size()))))
+        mo.get_megatron_optimizer(cfg, ddp, **extra)
     except mo.UnsupportedConfigError as exc:
         return str(exc)
     return "not refused"

@@ -74,9 +74,11 @@ def test_muon_skipped_step_changes_nothing(pools):
         assert max(max(e.values()) for e in res["momentum_err"]) <= FP32["momentum"]
 
 
-def test_muon_refuses_tensor_parallelism(pools):
-    for message in pools(2).run(cases_muon.refused_with_tensor_parallel_group, timeout=TIMEOUT):
-        assert "data parallelism only" in message and "tensor_parallel_group" in message
+@pytest.mark.parametrize("kind, named", [("tensor_parallel_group", "tensor_parallel_group"),
+                                         ("verify", "verify mode")])
+def test_muon_refuses_what_is_not_implemented_yet(pools, kind, named):
+    for message in pools(2).run(cases_muon.refused, kind, timeout=TIMEOUT):
+        assert "data parallelism only" in message and named in message
 
 
 def test_muon_update_failure_on_one_rank_raises_everywhere(pools):
@@ -93,3 +95,13 @@ def test_muon_with_scheduler_lr_and_wd_per_group(pools):
 def test_muon_state_dict_resume_is_bitwise(pools, dtype):
     for res in pools(3).run(cases_muon.resume_is_bitwise, dtype, timeout=TIMEOUT):
         assert res == dict(params=True, momentum=True, moved=True)
+
+
+def test_muon_with_several_buckets(pools):
+    """Small buckets: every matrix in a bucket of its own (or two), each bucket sharded over all ranks."""
+    _check(pools(3).run(cases_muon.train, "fp32", 3, bucket_size=500, timeout=TIMEOUT), FP32, 3)
+
+
+def test_muon_without_the_distributed_optimizer(pools):
+    """use_distributed_optimizer=False: every rank holds every matrix and orthogonalises it itself."""
+    _check(pools(2).run(cases_muon.train, "fp32", 3, distributed=False, timeout=TIMEOUT), FP32, 3)

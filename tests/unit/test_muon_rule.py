@@ -111,3 +111,16 @@ def test_momentum_is_the_ema_form_and_nesterov_looks_ahead():
     buf = torch.tensor([1.0, 1.0])
     u = Muon(momentum=0.5, nesterov=True).momentum_direction(g, torch.tensor(0.5), buf)
     assert buf.tolist() == [1.0, -0.5] and u.tolist() == [1.0, -1.25]
+
+
+def test_the_flags_refuse_muon_until_its_flags_are_mapped():
+    import argparse
+
+    from megatron_opt.megatron import arguments as megatron_args
+    from megatron_opt.megatron.arguments.mapping import optimizer_config_from_args
+
+    parser = argparse.ArgumentParser()
+    megatron_args.add_megatron_args(parser)
+    args = parser.parse_args(["--optimizer", "muon", "--lr", "1e-3"])
+    with pytest.raises(mo.UnsupportedConfigError, match="--muon-"):
+        optimizer_config_from_args(args)
