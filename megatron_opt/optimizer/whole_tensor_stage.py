@@ -18,7 +18,7 @@ import torch
 
 from .. import collectives
 from ..distributed.shard_view import LocalShard
-from ..errors import UnsupportedConfigError
+from ..errors import InvalidConfigError, UnsupportedConfigError
 from .muon_homes import MatrixPlacement, assign_homes
 
 MatrixKey = tuple[int, int, int, int]  # (model chunk, buffer, bucket, param index): the same on every rank
@@ -74,10 +74,20 @@ class MatrixExchange:
             for pc in s.pieces:
                 mine[piece_key(chunk, s, pc.param_index)] = (pc.param_range.start, pc.param_range.end)
         keys = sorted(described)
+        failure: Optional[BaseException] = None
+        try:  # (a param's QKV split may be refused on one rank only: every rank raises together below)
+            splits = [qkv_split_of(*described[k]) for k in keys]
+        except Exception as exc:  # noqa: BLE001
+            failure, splits = exc, []
         # Which rank owns which range: every rank reports its own, once (the layout is the same everywhere).
-        everyone = collectives.gather_objects([mine.get(k, (0, 0)) for k in keys], self.group) if self.sharded \
-            else [[mine.get(k, (0, 0)) for k in keys]]
-        splits = [qkv_split_of(*described[k]) for k in keys]
+        mine_ranges = [mine.get(k, (0, 0)) for k in keys]
+        if self.sharded:
+            everyone = collectives.agree("the whole-tensor stage's matrices", failure, self.group,
+                                         payload=mine_ranges, error_type=InvalidConfigError)
+        elif failure is not None:
+            raise failure
+        else:
+            everyone = [mine_ranges]
         shapes = [tuple(described[k][1].shape) for k in keys]
         placements = [MatrixPlacement(shape=shape, owned=tuple(e - s for s, e in (r[j] for r in everyone)),
                                       pieces=pieces_of(shape, split))

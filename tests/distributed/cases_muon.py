@@ -238,3 +238,16 @@ def resume_is_bitwise(dtype: str) -> dict:
                              for k, v in momentum.items()),
                 moved=not all(torch.equal(saved["state"]["momentum_buffer"][k]["values"], v["values"])
                               for k, v in momentum.items()))
+
+
+def qkv_split_missing_on_one_rank() -> dict:
+    """The last rank's QKV weight lacks its split: every rank must raise together (none left waiting)."""
+    model = MuonNet()
+    if dist.get_rank() == dist.get_world_size() - 1:
+        del model.attn.linear_qkv.weight.qkv_split_shapes
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    try:
+        mo.get_megatron_optimizer(mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True), ddp)
+    except mo.InvalidConfigError as exc:
+        return dict(error=str(exc))
+    return dict(error=None)

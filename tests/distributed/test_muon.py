@@ -105,3 +105,8 @@ def test_muon_with_several_buckets(pools):
 def test_muon_without_the_distributed_optimizer(pools):
     """use_distributed_optimizer=False: every rank holds every matrix and orthogonalises it itself."""
     _check(pools(2).run(cases_muon.train, "fp32", 3, distributed=False, timeout=TIMEOUT), FP32, 3)
+
+
+def test_muon_qkv_split_missing_on_one_rank_raises_everywhere(pools):
+    for res in pools(3).run(cases_muon.qkv_split_missing_on_one_rank, timeout=60):
+        assert res["error"] is not None and "rank 2" in res["error"] and "qkv_split_shapes" in res["error"], res
