@@ -198,8 +198,6 @@ def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], ex
         missing.append("expert-parallel params")
     if config.overlap_param_gather_with_optimizer_step:
         missing.append("overlap_param_gather_with_optimizer_step")
-    if config.verify_interval:
-        missing.append("verify mode (verify_interval > 0)")
     if missing:
         raise UnsupportedConfigError(
             f"optimizer={config.optimizer!r} is implemented for data parallelism only so far; not yet with: "

@@ -9,14 +9,16 @@ the step, rounded into the param buffer). The param all-gather then follows as f
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
 from .. import ops
 from ..errors import UnsupportedConfigError
 from .leaf import OptimizerLeaf
-from .rules.muon import Muon, qkv_split_of
+from .float64_update import Float64Update
+from .rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
+                         recompute_momentum)
 from .shard_store import ShardStore
 from .whole_tensor_stage import Matrix, MatrixExchange, MatrixKey, piece_key
 
@@ -84,6 +86,42 @@ class WholeTensorLeaf(OptimizerLeaf):
                                      float(group["lr"]), float(group["weight_decay"]))
                 if s.param_out is not None:
                     s.param_out[a:b].copy_(s.master[a:b])
+
+    def float64_expectation(self, masters: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor],
+                            multipliers: Sequence[torch.Tensor]) -> list[Float64Update]:
+        """Verify mode (a collective, like the step): this step recomputed in float64 from each owned
+        shard's pre-step ``masters`` and ``momenta`` and float64 gradient ``multipliers``; per shard the
+        expected master and momentum over its pieces (zero elsewhere) with their bounds (rules/muon.py:
+        part 2's bound is relative to the whole matrix)."""
+        rule: Muon = self.rule
+        shards = self._owned_with_source()
+        directions: dict[MatrixKey, torch.Tensor] = {}
+        momentum_values = []
+        for (src, s), b0, mult in zip(shards, momenta, multipliers):
+            b, db, u = recompute_momentum(rule, s.shard.grad.double() * mult, b0.double())
+            momentum_values.append((b, db))
+            for pc in s.shard.pieces:
+                directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
+                    u[pc.shard_range.start:pc.shard_range.end]
+
+        def orthogonalize(u: torch.Tensor, m: Matrix) -> torch.Tensor:
+            return rule.orthogonalize(u, m.qkv_split)
+
+        updates = self.exchange.run(directions, orthogonalize, self.step.device, dtype=torch.float64)
+        matrices = {m.key: m for m in self.exchange.matrices}
+        relative = ns_relative_error(rule.fp32_matmul_prec, self.step.device)
+        out = []
+        for (src, s), w0, (b, db) in zip(shards, masters, momentum_values):
+            w, dw = torch.zeros_like(b), torch.zeros_like(b)
+            for pc, gid in zip(s.shard.pieces, s.table.group):
+                a, e = pc.shard_range.start, pc.shard_range.end
+                key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
+                group = self.param_groups[gid]
+                o_tol = relative * o_norm_bound(rule, matrices[key].shape, matrices[key].qkv_split)
+                w[a:e], dw[a:e] = recompute_master(w0[a:e].double(), updates[key], float(group["lr"]),
+                                                   float(group["weight_decay"]), o_tol)
+            out.append(Float64Update({"master": w, "momentum_buffer": b}, {"master": dw, "momentum_buffer": db}))
+        return out
 
     def _owned_with_source(self):
         return [(s.source, s) for s in self.store.shards]

@@ -104,18 +104,19 @@ class MatrixExchange:
         self.moves = any(sum(1 for rg in m.ranges if rg[1] > rg[0]) > 1 for m in self.matrices)
 
     def run(self, directions: dict[MatrixKey, torch.Tensor], orthogonalize: Orthogonalize,
-            device: torch.device) -> dict[MatrixKey, torch.Tensor]:
+            device: torch.device, dtype: torch.dtype = torch.float32) -> dict[MatrixKey, torch.Tensor]:
         """This rank's slices of every matrix's orthogonalised update, from this rank's slices of the
-        update directions (``directions``: flat, fp32, keyed by matrix). Every rank of the group calls it."""
+        update directions (``directions``: flat, ``dtype`` (fp32; float64 in verify mode), keyed by
+        matrix). Every rank of the group calls it."""
         r = self.rank
-        received = self._exchange(self._pack_to_homes(directions, device), self.output_splits, self.input_splits,
-                                  device)
+        received = self._exchange(self._pack_to_homes(directions, device, dtype), self.output_splits,
+                                  self.input_splits, device, dtype)
         out: dict[MatrixKey, torch.Tensor] = {}
         returned: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
         failure: Optional[BaseException] = None
         offsets = self._offsets(self.output_splits)
         for m in self._homed:
-            full = torch.zeros(m.shape[0] * m.shape[1], dtype=torch.float32, device=device)
+            full = torch.zeros(m.shape[0] * m.shape[1], dtype=dtype, device=device)
             for s, (start, end) in enumerate(m.ranges):
                 if end <= start:
                     continue
@@ -135,7 +136,7 @@ class MatrixExchange:
                         out[m.key] = full[start:end]
                     else:
                         returned[s].append(full[start:end])
-        back = self._exchange(_concat(returned, device), self.input_splits, self.output_splits, device)
+        back = self._exchange(_concat(returned, device, dtype), self.input_splits, self.output_splits, device, dtype)
         back_offsets = self._offsets(self.input_splits)  # grouped by home, in matrix order within each
         for m in self._sent:
             n = m.owned(r)
@@ -145,15 +146,16 @@ class MatrixExchange:
             raise failure
         return out
 
-    def _pack_to_homes(self, directions: dict[MatrixKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+    def _pack_to_homes(self, directions: dict[MatrixKey, torch.Tensor], device: torch.device,
+                       dtype: torch.dtype) -> torch.Tensor:
         per_dest: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
         for m in self._sent:
             per_dest[m.home].append(directions[m.key])
-        return _concat(per_dest, device)
+        return _concat(per_dest, device, dtype)
 
     def _exchange(self, send: torch.Tensor, recv_splits: list[int], send_splits: list[int],
-                  device: torch.device) -> torch.Tensor:
-        recv = torch.empty(sum(recv_splits), dtype=torch.float32, device=device)
+                  device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        recv = torch.empty(sum(recv_splits), dtype=dtype, device=device)
         if self.moves:
             collectives.all_to_all(recv, send, recv_splits, send_splits, self.group)
         return recv
@@ -171,9 +173,9 @@ class MatrixExchange:
         return 2 * sum(m.owned(s) for m in self.matrices for s in range(len(m.ranges)) if s != m.home)
 
 
-def _concat(per_rank: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    parts = [t for ts in per_rank for t in ts]
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=device)
+def _concat(per_rank: list[list[torch.Tensor]], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    parts = [t.to(dtype) for ts in per_rank for t in ts]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
 __all__ = ["MatrixExchange", "Matrix", "MatrixKey", "piece_key"]

@@ -79,7 +79,7 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,
           split_qkv: bool = True, scale_mode: str = "spectral", extra_scale: float = 1.0,
           inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False,
-          bucket_size: Optional[int] = None, distributed: bool = True) -> dict:
+          bucket_size: Optional[int] = None, distributed: bool = True, verify: bool = False) -> dict:
     """Train MuonNet ``steps`` steps at this world size; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
     cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
                              use_distributed_optimizer=distributed, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
                              muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
-                             muon_fp32_matmul_prec=matmul_prec)
+                             muon_fp32_matmul_prec=matmul_prec, verify_interval=1 if verify else 0)
     opt = mo.get_megatron_optimizer(cfg, ddp)
     reference = rm.reference_muon(ref, lr, weight_decay, split_shapes=SPLIT, nesterov=nesterov,
                                   split_qkv=split_qkv, scale_mode=scale_mode, extra_scale_factor=extra_scale)
@@ -162,6 +162,7 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
             theirs = reference.state[ref_params[n]]["momentum_buffer"]
             merr[n] = float((momentum[n] - theirs).norm() / theirs.norm())
         out["momentum_err"].append(merr)
+    out["verified"] = opt.verify_report.verified_steps if verify else None
     return out
 
 
@@ -170,8 +171,7 @@ def refused(kind: str) -> str:
     """What is not implemented for Muon yet is refused by name, on every rank alike, before any collective."""
     model = MuonNet()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
-    options = dict(verify_interval=1) if kind == "verify" else {}
-    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True, **options)
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True)
     extra = {}
     if kind == "tensor_parallel_group":
         extra["tensor_parallel_group"] = dist.new_group(list(range(dist.get_world_size())))

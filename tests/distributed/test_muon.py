@@ -74,8 +74,7 @@ def test_muon_skipped_step_changes_nothing(pools):
         assert max(max(e.values()) for e in res["momentum_err"]) <= FP32["momentum"]
 
 
-@pytest.mark.parametrize("kind, named", [("tensor_parallel_group", "tensor_parallel_group"),
-                                         ("verify", "verify mode")])
+@pytest.mark.parametrize("kind, named", [("tensor_parallel_group", "tensor_parallel_group")])
 def test_muon_refuses_what_is_not_implemented_yet(pools, kind, named):
     for message in pools(2).run(cases_muon.refused, kind, timeout=TIMEOUT):
         assert "data parallelism only" in message and named in message
@@ -110,3 +109,13 @@ def test_muon_without_the_distributed_optimizer(pools):
 def test_muon_qkv_split_missing_on_one_rank_raises_everywhere(pools):
     for res in pools(3).run(cases_muon.qkv_split_missing_on_one_rank, timeout=60):
         assert res["error"] is not None and "rank 2" in res["error"] and "qkv_split_shapes" in res["error"], res
+
+
+@pytest.mark.parametrize("dtype, prec", [("fp32", "highest"), ("bf16", "medium")])
+def test_muon_verify_mode_checks_every_step(pools, dtype, prec):
+    """verify_interval=1: the homes recompute their matrices in float64 and every owner's slice (and
+    momentum) is within the bound; a wrong update raises VerificationError (seen with the rule broken)."""
+    bounds = FP32 if dtype == "fp32" else BF16
+    results = pools(3).run(cases_muon.train, dtype, 3, verify=True, matmul_prec=prec, timeout=TIMEOUT)
+    _check(results, bounds, 3)
+    assert all(res["verified"] == 3 for res in results)

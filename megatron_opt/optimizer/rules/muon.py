@@ -26,6 +26,7 @@ import torch
 from ... import ops
 from ...errors import InvalidConfigError, UnsupportedConfigError
 from ...ops.step_plan import StepPlan
+from ..float64_update import rounding_bound
 from .base import Needs, UpdateRule
 
 # The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
@@ -189,10 +190,49 @@ def qkv_split_of(name: str, param: torch.Tensor, split_qkv: bool) -> Optional[tu
     return split
 
 
-# The float64 recomputation (verify mode) is not wired yet: float64_update stays None, so verify mode
-# refuses Muon (docs/usage.md). Its bound would be a relative one on the whole matrix:
-# ||O_fp32 - O_f64||_F <= c * ||O_f64||_F with c ~ 1e-4 (fp32 NS; measured 7.8e-6..3e-5, docs/muon.md)
-# and ~5e-2 for 'medium' (bf16 NS).
+# ------------------------------------------------------------------------------ float64 recomputation (verify mode)
+# Part 1 is elementwise:  B = beta*B0 + (1-beta)*g,  U = (1-beta)*g + beta*B (Nesterov) or B; its bound
+# is the rounding bound of its terms, as for every elementwise rule. Part 2 is not elementwise: the home
+# recomputes O in float64 on the whole matrix from the float64 U, and the bound is RELATIVE TO THE MATRIX:
+#     ||O_fp32 - O_f64||_F <= NS_RELATIVE_ERROR[prec] * ||O_f64||_F,   ||O_f64||_F <= o_norm_bound(...)
+# so every element of the update may differ by lr * NS_RELATIVE_ERROR * o_norm_bound (|e_ij| <= ||E||_F).
+# NS_RELATIVE_ERROR: fp32 ('highest', and 'high' on the CPU) 1e-4 (megatron-core's fp32 Muon vs float64:
+# 7.8e-6..3e-5, docs/muon.md); TF32 ('high' on CUDA) 5e-2; bf16 ('medium') 0.5 (bf16's 2^-8 amplified on
+# the small singular values: 0.2 measured on random matrices), which checks little more than the scale.
+NS_RELATIVE_ERROR = {"highest": 1e-4, "high": 1e-4, "high-cuda": 5e-2, "medium": 0.5}
+NS_SINGULAR_VALUE_MAX = 1.5  # the quintic iteration leaves the singular values in about [0.7, 1.2]
 
-__all__ = ["Muon", "uses_muon", "newton_schulz", "scale_factor", "qkv_split_of", "QUINTIC", "NS_EPS", "SCALE_MODES",
+
+def ns_relative_error(precision: str, device: torch.device) -> float:
+    return NS_RELATIVE_ERROR["high-cuda" if (precision == "high" and device.type == "cuda") else precision]
+
+
+def recompute_momentum(rule: Muon, g: torch.Tensor, b0: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Part 1 in float64: (B, its bound, U)."""
+    beta = rule.momentum
+    b = beta * b0 + (1.0 - beta) * g
+    db = rounding_bound(beta * b0, (1.0 - beta) * g)
+    u = (1.0 - beta) * g + beta * b if rule.nesterov else b
+    return b, db, u
+
+
+def o_norm_bound(rule: Muon, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> float:
+    """An upper bound on ||O||_F of one matrix: per piece, scale^2 * min(m, n) * sigma_max^2."""
+    split = tuple(qkv_split) if (rule.split_qkv and qkv_split is not None) else None
+    rows, cols = shape
+    pieces = [(rows // sum(split) * r, cols) for r in split] if split else [(rows, cols)]
+    total = sum(scale_factor(m, n, rule.scale_mode) ** 2 * min(m, n) for m, n in pieces)
+    return NS_SINGULAR_VALUE_MAX * abs(rule.extra_scale_factor) * total ** 0.5
+
+
+def recompute_master(w0: torch.Tensor, o: torch.Tensor, lr: float, weight_decay: float, o_tolerance: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part 3 in float64: W = W0*(1 - lr*wd) - lr*O, with the rounding bound of its terms plus lr times
+    the (matrix-relative) bound on O."""
+    decayed = w0 * (1.0 - lr * weight_decay)
+    return decayed - lr * o, rounding_bound(decayed, lr * o) + lr * o_tolerance
+
+
+__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error", "newton_schulz", "scale_factor", "qkv_split_of", "QUINTIC", "NS_EPS", "SCALE_MODES",
            "MATMUL_PRECISIONS", "TP_MODES", "QKV_SPLIT_ATTR"]
