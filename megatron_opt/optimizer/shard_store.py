@@ -71,7 +71,7 @@ class ShardStore:
         # Every published shard of the chunks, also those holding no piece on this rank.
         self.published = [(src, s if selects is None else _restricted(s, selects))
                           for src in self.sources for s in src.local_shards(expert_parallel)]
-        self._selects = selects
+        self.selects = selects
         self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
@@ -82,7 +82,7 @@ class ShardStore:
     def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id(param) -> (name, param) for every param of the published shards."""
         return {id(p): (s.names[i], p) for _, s in self.published for i, p in s.params.items()
-                if self._selects is None or self._selects(p)}
+                if self.selects is None or self.selects(p)}
 
     def _build_param_groups(self, groups: Optional[list[dict]], lr: float, weight_decay: float) -> list[dict]:
         managed = self.managed_params()
