@@ -168,10 +168,6 @@ class MatrixExchange:
             total += n
         return out
 
-    def traffic_elements(self) -> int:
-        """Elements this stage moves per step, over all ranks (to the homes and back)."""
-        return 2 * sum(m.owned(s) for m in self.matrices for s in range(len(m.ranges)) if s != m.home)
-
 
 def _concat(per_rank: list[list[torch.Tensor]], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     parts = [t.to(dtype) for ts in per_rank for t in ts]
