@@ -166,6 +166,17 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, 
     return work if async_op else _Done()
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int],
+               group: ProcessGroup) -> None:
+    """Send ``input_splits[r]`` consecutive elements of ``input`` to rank r and receive
+    ``output_splits[r]`` from rank r into ``output`` (one all_to_all_single: gloo and NCCL both run it)."""
+    _check_one_dtype("all_to_all", output, input)
+    if world_size(group) == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, list(output_splits), list(input_splits), group=group)
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: ProcessGroup) -> None:
     if world_size(group) == 1:
         return

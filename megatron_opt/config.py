@@ -175,6 +175,16 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     lion_beta1: float = 0.95  # the interpolation for the sign (megatron-core 0.19's default, as --lion-beta1)
     lion_beta2: float = 0.98  # the momentum decay (megatron-core 0.19's default, as --lion-beta2)
+    # optimizer='muon' (or 'dist_muon'): megatron-core 0.19's muon_* fields and defaults (docs/muon.md).
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True
+    muon_nesterov: bool = False  # megatron-core 0.16.1 calls it muon_use_nesterov (converted to this)
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"  # only meaningful at TP > 1 (not implemented yet: TP > 1 is refused)
+    muon_extra_scale_factor: float = 1.0
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
@@ -227,6 +237,20 @@ class OptimizerConfig:
                 f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use {names_in_words()}."
             )
         self._check_precision_aware()
+        if self.optimizer in ("muon", "dist_muon"):
+            self._check_muon()
+
+    def _check_muon(self) -> None:
+        from .optimizer.rules.muon import Muon, TP_MODES
+
+        if self.muon_tp_mode not in TP_MODES:
+            raise InvalidConfigError(f"OptimizerConfig.muon_tp_mode={self.muon_tp_mode!r}: use one of {TP_MODES}.")
+        Muon.from_config(self)  # the rule checks its own constants
+        for name, why in (("use_precision_aware_optimizer", "16-bit Muon state and masters are not implemented yet"),
+                          ("optimizer_cuda_graph", "the Muon exchange is not captured in a CUDA graph yet"),
+                          ("fp16", "megatron-core refuses fp16 with Muon too; use bf16")):
+            if getattr(self, name):
+                raise UnsupportedConfigError(f"OptimizerConfig.{name}=True with optimizer={self.optimizer!r}: {why}.")
 
     def _check_precision_aware(self) -> None:
         """Megatron-LM's precision-aware optimizer: 16-bit moments and masters, only when asked for."""

@@ -55,9 +55,12 @@ def _convert(obj: Any, ours: type, what: str, kind: str) -> Any:
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if field.name in our_fields:
-            values[field.name] = value
+            values[field.name] = value  # (over an older name's value)
             continue
         rule = core_config_fields.treatment(kind, field.name)
+        if isinstance(rule, core_config_fields.Renamed):
+            values.setdefault(rule.ours, value)  # the current name, when the config has both, wins below
+            continue
         if isinstance(rule, core_config_fields.Inert):
             continue
         default = _default_of(field)

@@ -7,8 +7,9 @@ field gets one of the treatments below, decided here once and for all megatron-c
 (0.16.1, 0.19.2 and Megatron-LM main's core, 2026-08):
 
 - ``Inert``: any value is accepted, because the field cannot change what megatron_opt computes: it is
-  read only by a feature megatron_opt refuses (Megatron-FSDP, CPU offload, fp8 params, Muon-family
-  optimizers while ``optimizer`` is not one of them), or it is a kernel-fusion or registration detail.
+  read only by a feature megatron_opt refuses (Megatron-FSDP, CPU offload, fp8 params, adaptive Muon),
+  or it is a kernel-fusion or registration detail.
+- ``Renamed``: an older megatron-core name of one of megatron_opt's fields; its value is converted.
 - ``DefaultOnly``: accepted at megatron-core's default only, refused by name otherwise: another value
   would change the training and megatron_opt does not implement it.
 
@@ -37,11 +38,18 @@ class DefaultOnly:
     reason: str
 
 
-Treatment = Union[Inert, DefaultOnly]
+@dataclass(frozen=True)
+class Renamed:
+    """megatron-core's older name of one of megatron_opt's fields: its value is converted into ``ours``."""
+
+    ours: str
+
+
+Treatment = Union[Inert, DefaultOnly, Renamed]
 
 _FSDP = Inert("read only by Megatron-FSDP (use_megatron_fsdp, which megatron_opt refuses)")
 _OFFLOAD = Inert("read only by the CPU-offloaded optimizer (optimizer_cpu_offload, which megatron_opt refuses)")
-_MUON = Inert("read only by optimizer='muon'/'dist_muon'/'adaptive_muon', which megatron_opt refuses")
+_MUON = Inert("read only by optimizer='adaptive_muon' (which megatron_opt refuses), or a kernel detail of Muon")
 _SOAP = Inert("read only by optimizer='soap', which megatron_opt refuses")
 _FP8 = Inert("read only with fp8 params (TransformerConfig.fp8_param / fp8_param_gather, which megatron_opt refuses)")
 
@@ -77,18 +85,9 @@ OPTIMIZER_FIELDS: dict[str, Treatment] = {
     "overlap_cpu_optimizer_d2h_h2d": _OFFLOAD,
     "pin_cpu_grads": _OFFLOAD,
     "pin_cpu_params": _OFFLOAD,
-    "muon_momentum": _MUON,
-    "muon_split_qkv": _MUON,
-    "muon_use_nesterov": _MUON,  # megatron-core 0.16.1's name
-    "muon_nesterov": _MUON,
-    "muon_scale_mode": _MUON,
-    "muon_fp32_matmul_prec": _MUON,
-    "muon_coefficient_type": _MUON,
-    "muon_num_ns_steps": _MUON,
-    "muon_tp_mode": _MUON,
+    "muon_use_nesterov": Renamed("muon_nesterov"),  # megatron-core 0.16.1's name
     "muon_use_syrk": _MUON,
-    "muon_extra_scale_factor": _MUON,
-    "muon_scalar_optimizer": _MUON,
+    "muon_scalar_optimizer": DefaultOnly("the non-matrix params of optimizer='muon' use AdamW ('adam') only"),
     "adaptive_muon_moment2_method": _MUON,
     "adaptive_muon_beta2": _MUON,
     "adaptive_muon_eps": _MUON,
@@ -109,4 +108,4 @@ def treatment(kind: str, name: str) -> Treatment | None:
     return table.get(name)
 
 
-__all__ = ["Inert", "DefaultOnly", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]
+__all__ = ["Inert", "DefaultOnly", "Renamed", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]

@@ -19,7 +19,9 @@ def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optiona
     """{param name: full tensor} from a checkpoint, in one process, with no process group.
 
     ``what``: "model" (the params in their dtype), or an optimizer state name ("master" for the fp32
-    master weights, "exp_avg", "exp_avg_sq", ...), reassembled from every rank's part.
+    master weights, "exp_avg", "exp_avg_sq", ...), reassembled from every rank's part. A state that
+    only some params keep (Muon's ``momentum_buffer``, its AdamW companion's moments) comes back for
+    those params.
     """
     folder = directory.resolve(path, iteration)
     manifest = directory.read_manifest(folder)
@@ -29,9 +31,14 @@ def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optiona
     shapes = saved_tensor_shapes(metadata)
     prefix = "model/" if what == "model" else f"optim/{what}/"
     state: dict[str, torch.Tensor] = {}
-    for key, shape, dtype in manifest["fingerprint"]["params"]:
+    params = manifest["fingerprint"]["params"]
+    if what == "model" or not any(prefix + key in shapes for key, _, _ in params):
+        missing = [prefix + key for key, _, _ in params if prefix + key not in shapes]
+        if missing:
+            raise KeyError(f"{folder} holds no {missing[0]} (saved without an optimizer, or no such state)")
+    for key, shape, dtype in params:
         if prefix + key not in shapes:
-            raise KeyError(f"{folder} holds no {prefix + key} (saved without an optimizer, or no such state)")
+            continue  # a state this param's rule does not keep
         saved_dtype = metadata.state_dict_metadata[prefix + key].properties.dtype
         state[prefix + key] = torch.empty(shape, dtype=saved_dtype)
     with warnings.catch_warnings(), dcp_failures(f"reading {folder}"):

@@ -6,7 +6,7 @@ the fp32 masters and update-rule state of those ranges, the StepDriver runs the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -21,8 +21,9 @@ from .shard_store import ShardStore
 from .state_dict import STATE_DICT_FORMAT
 from .state_view import LeafView, leaf_view
 from .step_driver import StepDriver
-from .rules.base import UpdateRule
+from .rules.base import Needs, UpdateRule
 from .rules.registry import resolve_update_rule
+from .whole_tensor_leaf import WholeTensorLeaf
 
 
 class DistributedOptimizer(MegatronOptimizer):
@@ -43,6 +44,9 @@ class DistributedOptimizer(MegatronOptimizer):
         tensor_parallel_group: gives the TP rank; params without ``tensor_model_parallel`` count in
             the norm on TP rank 0 only (they are duplicates elsewhere).
         update_rule: overrides the rule the config names (e.g. a custom UpdateRule subclass).
+        selects: the params this optimizer owns (None: every param of the chunks' buffers of its
+            kind); get_megatron_optimizer splits Muon's matrices from the rest this way. A rule that
+            needs whole tensors (Muon) is only accepted with ``selects`` (its companion owns the rest).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class DistributedOptimizer(MegatronOptimizer):
         model_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         update_rule: Optional[UpdateRule] = None,
+        selects: Optional[Callable[[torch.nn.Parameter], bool]] = None,
     ) -> None:
         if not model_chunks:
             raise ValueError("DistributedOptimizer needs at least one DistributedDataParallel model chunk.")
@@ -65,14 +70,18 @@ class DistributedOptimizer(MegatronOptimizer):
         self.config = config
         self.is_expert_parallel = expert_parallel
         self.model_parallel_group = model_parallel_group
+        rule = resolve_update_rule(config, update_rule, whole_tensors=selects is not None)
         store = ShardStore(
-            model_chunks, resolve_update_rule(config, update_rule), param_groups,
+            model_chunks, rule, param_groups,
             default_lr=config.lr, default_weight_decay=config.weight_decay, expert_parallel=expert_parallel,
             tensor_parallel_group=tensor_parallel_group,
             main_params_dtype=config.main_params_dtype,  # fp32 unless use_precision_aware_optimizer (config checks)
             param_remainders=config.uses_param_remainders,
+            selects=selects,
         )
-        self.leaf = OptimizerLeaf(store)  # the one leaf: masters, rule state and the calls the driver makes
+        whole = rule.needs is Needs.WHOLE_TENSORS
+        # The one leaf: masters, rule state and the calls the driver makes.
+        self.leaf = WholeTensorLeaf(store) if whole else OptimizerLeaf(store)
         # Which groups sum the statistics: decided by the shard view from the shards' roles.
         self._driver = StepDriver([self.leaf], config, grad_scaler,
                                   step_stats_groups(self.leaf.stats_roles(), model_parallel_group),

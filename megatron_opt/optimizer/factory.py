@@ -1,19 +1,23 @@
 """get_megatron_optimizer: param groups (wd_mult, lr_mult), the loss scaler, dense/expert optimizers."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from .. import collectives
 from ..config import OptimizerConfig
-from ..errors import InvalidConfigError
+from ..errors import InvalidConfigError, UnsupportedConfigError
 from ..config_conversion import as_optimizer_config, is_ours
 from ..distributed.shard_view import GradSource
 from .chained import ChainedOptimizer
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
+from .rules.muon import uses_muon
+
+MUON_NAMES = ("muon", "dist_muon")
 
 
 
@@ -148,6 +152,9 @@ def get_megatron_optimizer(
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
+    if config.optimizer in MUON_NAMES:
+        _check_muon_layout(config, chunks, expert_groups, model_parallel_group, tensor_parallel_group)
+        return _muon_optimizer(config, chunks, groups, scaler, common, grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
                 for split, dense in zip(splits, dense_per_split)]
     if expert_groups:
@@ -155,6 +162,46 @@ def get_megatron_optimizer(
     if len(children) == 1 and not megatron_core_call and not overlap_with_step:
         return children[0]
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
+
+
+def _muon_optimizer(config: OptimizerConfig, chunks: list, groups: list[dict], scaler: Optional[MegatronGradScaler],
+                    common: dict, grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
+    """megatron-core's split: Muon for 2-D params not marked is_embedding_or_output_parameter, AdamW with
+    the adam_* settings for the rest; two leaves under one driver (one decision, one clip, one scaler)."""
+    def split(keep: bool) -> list[dict]:
+        parts = [dict(g, params=[p for p in g["params"] if uses_muon(p) == keep]) for g in groups]
+        return [g for g in parts if g["params"]]
+
+    children = [DistributedOptimizer(config, chunks, split(True), scaler, expert_parallel=False,
+                                     selects=uses_muon, **common)]
+    adam_groups = split(False)
+    if adam_groups:
+        adam_config = dataclasses.replace(config, optimizer="adam")
+        children.append(DistributedOptimizer(adam_config, chunks, adam_groups, scaler, expert_parallel=False,
+                                             selects=lambda p: not uses_muon(p), **common))
+    return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
+
+
+def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], expert_groups: list,
+                       model_parallel_group: Optional[torch.distributed.ProcessGroup],
+                       tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> None:
+    """Muon runs data-parallel only so far (issue #30's first slice): refuse the rest by name."""
+    missing = []
+    for chunk in chunks:
+        wrapped = getattr(chunk, "model_parallel_groups", None)
+        sizes = wrapped.sizes() if wrapped is not None else {}
+        missing += [f"{dim} parallelism (size {n})" for dim, n in sizes.items() if n > 1]
+    for name, group in (("tensor_parallel_group", tensor_parallel_group), ("model_parallel_group", model_parallel_group)):
+        if group is not None and collectives.world_size(group) > 1:
+            missing.append(f"{name} of {collectives.world_size(group)} ranks")
+    if expert_groups:
+        missing.append("expert-parallel params")
+    if config.overlap_param_gather_with_optimizer_step:
+        missing.append("overlap_param_gather_with_optimizer_step")
+    if missing:
+        raise UnsupportedConfigError(
+            f"optimizer={config.optimizer!r} is implemented for data parallelism only so far; not yet with: "
+            f"{', '.join(sorted(set(missing)))} (issue #30).")
 
 
 def _check_pg_collection(pg_collection: Any, chunks: Sequence[GradSource]) -> None:

@@ -46,6 +46,7 @@ class OptimizerLeaf:
         self.param_groups: list[dict] = store.param_groups
         self.step: torch.Tensor = store.step  # updates applied so far (an int64 device tensor)
         self.is_expert_parallel: bool = store.is_expert_parallel
+        self.selects = store.selects  # which params of its chunks it keeps (None: all of its kind)
         self.backend = ops.resolve_backend(torch.empty(0, device=store.device))
         self.multipliers: list[GradMultiplier] = []  # one per distinct unscale factor, shared by launch plans
         self.launch_plans = self._build_launch_plans()

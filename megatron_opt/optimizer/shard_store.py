@@ -14,8 +14,9 @@ allocates and describes; it runs nothing (the leaf steps it, state_access reads 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -57,14 +58,20 @@ class ShardStore:
         tensor_parallel_group: Optional[torch.distributed.ProcessGroup] = None,
         main_params_dtype: torch.dtype = torch.float32,
         param_remainders: bool = False,
+        selects: Optional[Callable[[torch.nn.Parameter], bool]] = None,
     ) -> None:
+        """``selects``: the params this store owns (None: every param of the shards); the shards it
+        publishes to its leaf then hold only those params' pieces (the others are gaps to it), so two
+        stores with complementary predicates split the same buffers (Muon's matrices and the rest)."""
         self.sources = list(sources)
         self.rule = rule
         self.main_params_dtype = main_params_dtype
         self.param_remainders = param_remainders
         self.is_expert_parallel = expert_parallel
         # Every published shard of the chunks, also those holding no piece on this rank.
-        self.published = [(src, s) for src in self.sources for s in src.local_shards(expert_parallel)]
+        self.published = [(src, s if selects is None else _restricted(s, selects))
+                          for src in self.sources for s in src.local_shards(expert_parallel)]
+        self.selects = selects
         self.device = self.published[0][1].grad.device if self.published else torch.device("cpu")
         self.step = torch.zeros(1, dtype=torch.int64, device=self.device)  # updates applied so far
         self.param_groups = self._build_param_groups(param_groups, default_lr, default_weight_decay)
@@ -74,7 +81,8 @@ class ShardStore:
 
     def managed_params(self) -> dict[int, tuple[str, torch.nn.Parameter]]:
         """id(param) -> (name, param) for every param of the published shards."""
-        return {id(p): (s.names[i], p) for _, s in self.published for i, p in s.params.items()}
+        return {id(p): (s.names[i], p) for _, s in self.published for i, p in s.params.items()
+                if self.selects is None or self.selects(p)}
 
     def _build_param_groups(self, groups: Optional[list[dict]], lr: float, weight_decay: float) -> list[dict]:
         managed = self.managed_params()
@@ -132,6 +140,7 @@ class ShardStore:
             shards.append(OwnedShard(shard, source, table, master, param_out, self.rule.init_state(master),
                                      tuple(mains)))
         owned = {id(s.shard.params[pc.param_index]) for s in shards for pc in s.shard.pieces}
+        # (with ``selects``, another store holds the other params: leave their main_param alone)
         for _, p in self.managed_params().values():
             if id(p) not in owned:
                 p.main_param, p.main_param_sharded = None, True
@@ -146,6 +155,11 @@ class ShardStore:
         if self.param_remainders and param.dtype == torch.bfloat16:
             return torch.zeros(param.shape, dtype=torch.int16, device=param.device), param
         return param.detach().to(self.main_params_dtype, copy=True), param
+
+
+def _restricted(shard: LocalShard, selects: Callable[[torch.nn.Parameter], bool]) -> LocalShard:
+    """``shard`` with only the pieces of the params ``selects`` keeps (the same flat views)."""
+    return dataclasses.replace(shard, pieces=tuple(pc for pc in shard.pieces if selects(shard.params[pc.param_index])))
 
 
 def master_values(s: OwnedShard) -> torch.Tensor:

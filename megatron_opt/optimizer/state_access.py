@@ -101,7 +101,9 @@ def round_masters_into_params(store: ShardStore) -> None:
     With remainders the param already is the master's high half."""
     for s in store.shards:
         if s.param_out is not None and not precision.is_remainder(s.master):
-            s.param_out.copy_(s.master)
+            # Piece by piece: the gaps may be another store's params (Muon's split of one buffer).
+            for start, end in zip(s.table.starts, s.table.ends):
+                s.param_out[start:end].copy_(s.master[start:end])
 
 
 def reload_model_params(store: ShardStore) -> None:

@@ -15,7 +15,7 @@ through this view only, so the two cannot disagree, and neither depends on the d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -70,6 +70,9 @@ class LeafView:
     pieces: tuple[OwnedPiece, ...]
     param_groups: list[dict]
     step: torch.Tensor
+    # Which params of its chunks it keeps (None: all of its kind); Muon's split of one set of buffers
+    # into two leaves (ShardStore's ``selects``).
+    keeps: Optional[Callable[[torch.nn.Parameter], bool]] = None
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -86,7 +89,7 @@ def leaf_view(leaf: StateLeaf, model_chunks: Sequence[GradSource], model_paralle
 
     pieces = tuple(OwnedPiece(index_of(ps.source), ps) for ps in leaf.piece_states())
     return LeafView(leaf.rule, leaf.is_expert_parallel, model_parallel, tuple(index_of(s) for s in leaf.sources),
-                    pieces, leaf.param_groups, leaf.step)
+                    pieces, leaf.param_groups, leaf.step, getattr(leaf, "selects", None))
 
 
 @runtime_checkable
@@ -143,7 +146,8 @@ def state_names(view: OptimizerStateView) -> list[str]:
 def state_names_of(leaves: Sequence[LeafView], entry: ParamEntry) -> tuple[str, ...]:
     """The state kept for ``entry``: that of the leaf holding its chunk's dense or expert params."""
     for leaf in leaves:
-        if entry.chunk in leaf.chunks and leaf.expert_parallel == entry.expert_parallel:
+        if (entry.chunk in leaf.chunks and leaf.expert_parallel == entry.expert_parallel
+                and (leaf.keeps is None or leaf.keeps(entry.param))):
             return leaf.state_names
     return ()  # a param no leaf keeps (its kind has no optimizer here)
 

@@ -72,6 +72,9 @@ class Leaf(Protocol):
 
     def start_param_sync(self, force_sync: bool = False) -> None: ...
 
+    # A leaf with ``has_whole_tensor_stage = True`` (WholeTensorLeaf) also has ``finish_update()``: the
+    # collective rest of its pass 2, called once every rank's ``apply_update`` succeeded.
+
     def clear_model_grads(self, set_to_none: bool) -> None: ...
 
 
@@ -198,6 +201,16 @@ class StepDriver:
                             leaf.apply_update(clip_coef, found_inf)
                     except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
                         failure = exc
+                whole = [leaf for leaf in stage if getattr(leaf, "has_whole_tensor_stage", False)]
+                if whole:
+                    # The whole-tensor stage is collective: the ranks agree that every first part
+                    # succeeded before any rank enters it (docs/design.md, "Rules that need whole tensors").
+                    self._agree_before_param_sync(failure)
+                    try:
+                        for leaf in whole:
+                            leaf.finish_update()
+                    except Exception as exc:  # noqa: BLE001  (re-raised below, on every rank)
+                        failure = exc
                 # Also between the stages: a rank that failed in a later stage has already joined the
                 # earlier stages' all-gathers.
                 self._agree_before_param_sync(failure)
@@ -208,8 +221,13 @@ class StepDriver:
         # Without the distributed optimizer every rank updated every param: there is nothing to gather.
         gathers = timed and any(src.param_gather.use_distributed_optimizer for src in self.sources)
         with phase_timers.phase(self.config, "megatron_opt.param_sync", phase_timers.PARAM_SYNC if gathers else None):
+            started: set = set()
             for leaf in leaves:
-                leaf.start_param_sync()
+                # Leaves that split one set of buffers (Muon's matrices and the rest) share one all-gather.
+                key = (tuple(id(src) for src in leaf.sources), getattr(leaf, "is_expert_parallel", None))
+                if key not in started:
+                    started.add(key)
+                    leaf.start_param_sync()
 
     def _update_stages(self) -> list[list[Leaf]]:
         """The leaves in the order their updates are applied and their params all-gathered."""

@@ -23,6 +23,7 @@ Memory: one transient copy of this rank's optimizer shard (masters, 16-bit param
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
@@ -206,6 +207,9 @@ class _UpdateContext:
     step: int  # the 1-based index of this update
     multiplier: torch.Tensor  # float64 device scalar of the shard: unscale factor / loss scale * clip
     stochastic: bool
+    # A whole-tensor leaf's recomputation of the whole shard (WholeTensorLeaf.float64_expectation):
+    # sliced per chunk instead of calling ``recompute``.
+    expected: Optional[Float64Update] = None
 
 
 def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi: int, gid: int, refine: bool = False
@@ -218,7 +222,9 @@ def _chunk_check(s: OwnedShard, c: _ShardCopy, ctx: _UpdateContext, lo: int, hi:
     inputs = Float64Inputs(master=before, grad=s.shard.grad[lo:hi].double().mul_(ctx.multiplier),
                            state={n: t[lo:hi].double() for n, t in c.state.items()}, lr=float(group["lr"]),
                            weight_decay=float(group["weight_decay"]), step=ctx.step)
-    expected = ctx.recompute(inputs)
+    expected = ctx.recompute(inputs) if ctx.expected is None else Float64Update(
+        {n: v[lo:hi] for n, v in ctx.expected.values.items()},
+        {n: v[lo:hi] for n, v in ctx.expected.tolerance.items()})
     if expected is None:
         raise UnsupportedConfigError("verify mode: the update rule's float64_update() returned None.")
     stored = {"master": s.master, **s.state}
@@ -311,6 +317,10 @@ class VerifiedLeaf(Protocol):
     def published_shards(self) -> list[LocalShard]: ...
 
 
+def _whole(leaf: Any) -> bool:
+    return bool(getattr(leaf, "has_whole_tensor_stage", False))
+
+
 class StepVerifier:
     """Verify mode for one StepDriver: begin() before the step, finish() after it."""
 
@@ -320,7 +330,8 @@ class StepVerifier:
         self.interval = interval
         self.action = action
         self.groups = [g for g in groups if collectives.world_size(g) > 1]
-        self._recompute = [recompute_of(leaf.rule) for leaf in self.leaves]
+        # A whole-tensor leaf recomputes its step itself (collectively, in finish()).
+        self._recompute = [None if _whole(leaf) else recompute_of(leaf.rule) for leaf in self.leaves]
         self._checksums = Checksums()
         self._calls = 0
         self._verified = 0
@@ -391,6 +402,11 @@ class StepVerifier:
                                        * clip.to(s.master.device),
                                        bool(getattr(leaf.rule, "stochastic_rounding", False)))
                         for s in leaf.owned_shards()]
+            if _whole(leaf):  # every rank of the group gets here (applied is the same everywhere)
+                expected = leaf.float64_expectation([c.master for c in copies],
+                                                    [c.state["momentum_buffer"] for c in copies],
+                                                    [ctx.multiplier for ctx in contexts])
+                contexts = [dataclasses.replace(ctx, expected=e) for ctx, e in zip(contexts, expected)]
             findings += update_findings(leaf.owned_shards(), copies, contexts, rank)
         agreed = self._agree(findings)
         self._verified += 1

@@ -100,6 +100,19 @@ def test_lion_state_reshards(pools, tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), what
 
 
+@pytest.mark.parametrize("world", [3, 1])
+def test_muon_state_reshards(pools, tmp_path, world):
+    """Muon's momentum_buffer (and its AdamW companion's moments) reshard in model space, bitwise."""
+    saved = tmp_path / "muon"
+    pools(2).run(cc.save_after_steps, str(saved), "fp32", 2, "muon")
+    resave = tmp_path / f"muon{world}"
+    pools(world).run(cc.load_resharded, str(saved), str(resave), "fp32", True, "muon")
+    assert set(ckpt.read_tensors(saved, "momentum_buffer")) == {"emb.weight", "fc.weight", "out.weight"}  # 2-D
+    for what in ("master", "momentum_buffer", "exp_avg", "exp_avg_sq"):
+        a, b = ckpt.read_tensors(saved, what), ckpt.read_tensors(resave, what)
+        assert a and set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), what
+
+
 def test_boxes_cover_any_flat_range_exactly():
     for shape in [(7, 5), (3, 4, 6), (13,), (), (1, 1, 9), (4, 1, 3, 2)]:
         n = int(torch.tensor(shape).prod()) if shape else 1

@@ -177,7 +177,7 @@ def test_fp16_and_bf16_raises():
         OptimizerConfig(lr=LR, fp16=True, bf16=True)
 
 
-@pytest.mark.parametrize("name", ["muon", "Adam", "lamb", ""])
+@pytest.mark.parametrize("name", ["adaptive_muon", "Adam", "lamb", ""])
 def test_unsupported_optimizer_raises(name):
     with pytest.raises(UnsupportedConfigError) as ei:
         OptimizerConfig(lr=LR, optimizer=name)

@@ -43,7 +43,7 @@ def test_every_recorded_megatron_core_field_is_decided(label, kind):
 
 
 @pytest.mark.parametrize("kind, name, value", [
-    ("optimizer", "muon_momentum", 0.5),  # inert: Muon is not this optimizer
+    ("optimizer", "muon_use_syrk", True),  # inert: a kernel detail of Muon
     ("optimizer", "pin_cpu_grads", False),  # inert: CPU offload only
     ("ddp", "megatron_fsdp_main_grads_dtype", "bf16"),  # inert: Megatron-FSDP only
     ("ddp", "gradient_reduce_div_fusion", False),  # inert: a fusion

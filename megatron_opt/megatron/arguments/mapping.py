@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ...config import DistributedDataParallelConfig, OptimizerConfig
+from ...errors import UnsupportedConfigError
 from ...scheduler import HasParamGroups, OptimizerParamScheduler
 
 # The dtype flags' values (--main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype).
@@ -38,6 +39,12 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     """get_megatron_optimizer's config."""
+    if args.optimizer in ("muon", "dist_muon"):
+        # Megatron-LM's --muon-* flags (whose defaults differ from megatron-core's: --muon-momentum 0.9)
+        # are not mapped yet: refuse rather than train with other constants than the flags say.
+        raise UnsupportedConfigError(
+            f"--optimizer {args.optimizer} through Megatron-LM's flags is not implemented yet (the --muon-* flags are "
+            f"not mapped); use get_megatron_optimizer(OptimizerConfig(optimizer='muon', ...)) (docs/usage.md, 'Muon').")
     return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,

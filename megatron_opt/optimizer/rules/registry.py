@@ -9,9 +9,11 @@ from ...errors import UnsupportedConfigError
 from .adamw import AdamW
 from .base import Needs, UpdateRule
 from .lion import Lion
+from .muon import Muon
 from .sgd import SGD
 
-UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion)}
+UPDATE_RULES: dict[str, type[UpdateRule]] = {cls.name: cls for cls in (AdamW, SGD, Lion, Muon)}
+UPDATE_RULES["dist_muon"] = Muon  # Megatron-LM's synonym (its distributed Muon): the same rule here
 OPTIMIZER_NAMES: tuple[str, ...] = tuple(UPDATE_RULES)
 
 
@@ -29,14 +31,19 @@ def update_rule_from_config(config: Any) -> UpdateRule:
     return cls.from_config(config)
 
 
-def resolve_update_rule(config: Any, update_rule: Optional[UpdateRule] = None) -> UpdateRule:
-    """The rule an optimizer runs: ``update_rule`` when given (a user's own), else the config's; refused
-    when it needs what the step does not hand a rule yet (whole tensors: docs/design.md)."""
+def resolve_update_rule(config: Any, update_rule: Optional[UpdateRule] = None,
+                        whole_tensors: bool = False) -> UpdateRule:
+    """The rule an optimizer runs: ``update_rule`` when given (a user's own), else the config's; a rule
+    that needs whole tensors is refused unless the caller runs it through the whole-tensor leaf
+    (``whole_tensors=True``: get_megatron_optimizer does for Muon; docs/design.md)."""
     rule = update_rule if update_rule is not None else update_rule_from_config(config)
+    if rule.needs is Needs.WHOLE_TENSORS and whole_tensors:
+        return rule
     if rule.needs is not Needs.ELEMENTWISE:
         raise UnsupportedConfigError(
             f"update rule {type(rule).__name__} needs {rule.needs.value}; the distributed optimizer hands rules "
-            f"owned element ranges only (docs/design.md, 'Rules that need whole tensors').")
+            f"owned element ranges only; get_megatron_optimizer(OptimizerConfig(optimizer='muon')) builds Muon with "
+            f"its AdamW companion (docs/design.md, 'Rules that need whole tensors').")
     return rule
 
 

@@ -1,0 +1,238 @@
+"""Muon: megatron-core's ``optimizer='muon'`` (emerging-optimizers' orthogonalized optimizer as
+megatron-core configures it; docs/muon.md). A whole-tensor rule: its update of a matrix reads the
+whole matrix, so the step runs it in three parts (optimizer/whole_tensor_leaf.py):
+
+1. elementwise, on the owned ranges:   g = grad * grad_scale
+                                       B = beta*B + (1-beta)*g              (``momentum_buffer``, fp32)
+                                       U = (1-beta)*g + beta*B  (Nesterov)  else  U = B
+2. per matrix, on its home rank:       O = extra_scale * scale(piece) * NS(U piece)   per piece
+   (pieces: the whole matrix, or with ``split_qkv`` its Q, K and V rows across all query groups)
+3. elementwise, on the owned ranges:   W = W*(1 - lr*wd) - lr*O               (decoupled weight decay)
+
+NS: X = U / max(||U||_F, 1e-7) in its wide orientation (transposed when rows > cols), then
+``num_ns_steps`` times X = a X + (b A + c A A) X with A = X X^T, cycling the quintic (a, b, c).
+``fp32_matmul_prec='medium'`` runs the iteration in bf16 (as megatron-core does, on the CPU too);
+'high' / 'highest' in fp32 (torch's float32 matmul precision set around it: TF32 for 'high' on GPU).
+scale: spectral sqrt(max(m, n)); unit_rms_norm sqrt(m/n); shape_scaling sqrt(max(1, m/n)).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Iterator, Optional, Sequence
+
+import torch
+
+from ... import ops
+from ...errors import InvalidConfigError, UnsupportedConfigError
+from ...ops.step_plan import StepPlan
+from ..float64_update import rounding_bound
+from .base import Needs, UpdateRule
+
+# The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
+# emerging-optimizers' "quintic" table).
+QUINTIC: tuple[tuple[float, float, float], ...] = (
+    (4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012))
+NS_EPS = 1e-7
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MATMUL_PRECISIONS = ("medium", "high", "highest")
+TP_MODES = ("blockwise", "duplicated", "distributed")
+QKV_SPLIT_ATTR = "qkv_split_shapes"  # on a param: rows of (Q, K, V) in one query group
+
+
+def uses_muon(param: torch.Tensor) -> bool:
+    """megatron-core's split: a 2-D param not marked ``is_embedding_or_output_parameter`` gets Muon."""
+    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+_SCALES = {  # (rows, cols) of the orthogonalised piece -> its scale
+    "spectral": lambda m, n: max(m, n) ** 0.5,
+    "unit_rms_norm": lambda m, n: (m / n) ** 0.5,
+    "shape_scaling": lambda m, n: max(1.0, m / n) ** 0.5,
+}
+
+
+def scale_factor(rows: int, cols: int, mode: str) -> float:
+    if mode not in _SCALES:
+        raise InvalidConfigError(f"muon_scale_mode={mode!r}: use one of {SCALE_MODES}.")
+    return _SCALES[mode](rows, cols)
+
+
+@contextlib.contextmanager
+def _float32_matmul_precision(precision: str) -> Iterator[None]:
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def newton_schulz(u: torch.Tensor, steps: int, precision: str = "high") -> torch.Tensor:
+    """The quintic Newton-Schulz approximation of the orthogonal polar factor of a 2-D ``u`` (fp32 out;
+    float64 in gives float64 out, whatever ``precision``: the verify-mode recomputation)."""
+    tall = u.shape[0] > u.shape[1]
+    x = u.T if tall else u
+    x = x / x.norm().clamp_min(NS_EPS)
+    if precision == "medium" and x.dtype == torch.float32:
+        x = x.to(torch.bfloat16)
+    with _float32_matmul_precision(precision if precision in MATMUL_PRECISIONS else "highest"):
+        for i in range(steps):
+            a, b, c = QUINTIC[i % len(QUINTIC)]
+            gram = x @ x.T
+            x = a * x + (b * gram + c * (gram @ gram)) @ x
+    x = x.to(u.dtype)
+    return x.T if tall else x
+
+
+@dataclass(frozen=True)
+class Muon(UpdateRule):
+    """Muon's constants, with megatron-core's OptimizerConfig defaults (muon_* fields)."""
+
+    momentum: float = 0.95
+    nesterov: bool = False
+    num_ns_steps: int = 5
+    scale_mode: str = "spectral"
+    extra_scale_factor: float = 1.0
+    split_qkv: bool = True
+    fp32_matmul_prec: str = "medium"
+    name: ClassVar[str] = "muon"
+    needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise InvalidConfigError(f"muon_momentum={self.momentum}: must lie in [0, 1).")
+        if self.num_ns_steps < 1:
+            raise InvalidConfigError(f"muon_num_ns_steps={self.num_ns_steps}: must be at least 1.")
+        if self.scale_mode not in SCALE_MODES:
+            raise InvalidConfigError(f"muon_scale_mode={self.scale_mode!r}: use one of {SCALE_MODES}.")
+        if self.fp32_matmul_prec not in MATMUL_PRECISIONS:
+            raise InvalidConfigError(f"muon_fp32_matmul_prec={self.fp32_matmul_prec!r}: use one of "
+                                     f"{MATMUL_PRECISIONS}.")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Muon":
+        if config.muon_coefficient_type != "quintic":
+            raise UnsupportedConfigError(f"muon_coefficient_type={config.muon_coefficient_type!r}: only 'quintic' "
+                                         f"is implemented.")
+        return cls(momentum=config.muon_momentum, nesterov=config.muon_nesterov, num_ns_steps=config.muon_num_ns_steps,
+                   scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
+                   split_qkv=config.muon_split_qkv, fp32_matmul_prec=config.muon_fp32_matmul_prec)
+
+    def state_dtypes(self) -> dict[str, torch.dtype]:
+        return {"momentum_buffer": torch.float32}
+
+    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+              backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
+        raise UnsupportedConfigError("Muon needs whole matrices: it runs through the whole-tensor leaf "
+                                     "(optimizer/whole_tensor_leaf.py), not as an elementwise pass 2.")
+
+    # ----------------------------------------------------------------- part 1 and 3: elementwise on owned ranges
+    def momentum_direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """Part 1 on one owned range: updates ``buf`` in place, returns U (fp32)."""
+        beta = self.momentum
+        g = grad.float() * grad_scale
+        buf.mul_(beta).add_(g, alpha=1.0 - beta)
+        return g.mul_(1.0 - beta).add_(buf, alpha=beta) if self.nesterov else buf.clone()
+
+    @staticmethod
+    def apply_direction(master: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
+        """Part 3 on one owned range: W = W*(1 - lr*wd) - lr*O, in place."""
+        if weight_decay != 0.0:
+            master.mul_(1.0 - lr * weight_decay)
+        master.sub_(direction, alpha=lr)
+
+    # ----------------------------------------------------------------- part 2: on the whole matrix
+    def orthogonalize(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """O of a whole matrix ``u`` (fp32 in, fp32 out; float64 in, float64 out): per piece (the matrix,
+        or its Q, K and V rows across all query groups) NS times its scale, times the extra scale."""
+        split = tuple(qkv_split) if (self.split_qkv and qkv_split is not None) else None
+        precision = self.fp32_matmul_prec
+        if split is None:
+            out = newton_schulz(u, self.num_ns_steps, precision) * scale_factor(*u.shape, self.scale_mode)
+        else:
+            rows_per_group, cols = sum(split), u.shape[1]
+            grouped = u.reshape(u.shape[0] // rows_per_group, rows_per_group, cols)
+            out = torch.empty_like(grouped)
+            start = 0
+            for rows in split:
+                piece = grouped[:, start:start + rows].reshape(-1, cols)
+                orth = newton_schulz(piece, self.num_ns_steps, precision) * scale_factor(*piece.shape, self.scale_mode)
+                out[:, start:start + rows] = orth.reshape(grouped.shape[0], rows, cols)
+                start += rows
+            out = out.reshape(u.shape)
+        return out * self.extra_scale_factor if self.extra_scale_factor != 1.0 else out
+
+    def pieces(self, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> int:
+        """Independent Newton-Schulz problems in one matrix (3 with a QKV split)."""
+        return len(qkv_split) if (self.split_qkv and qkv_split is not None) else 1
+
+
+def qkv_split_of(name: str, param: torch.Tensor, split_qkv: bool) -> Optional[tuple[int, ...]]:
+    """The QKV split of a Muon param: its ``qkv_split_shapes`` attribute (rows of Q, K and V in one query
+    group), checked against its rows. megatron-core tags ``linear_qkv.weight`` by name: such a param
+    without the attribute is refused while ``muon_split_qkv`` is on (the split is not in the tensor)."""
+    split = getattr(param, QKV_SPLIT_ATTR, None)
+    if not split_qkv:
+        return None
+    if split is None:
+        if "linear_qkv.weight" in name:
+            raise InvalidConfigError(
+                f"muon_split_qkv=True and {name} is a QKV weight, but its split is unknown: set "
+                f"param.{QKV_SPLIT_ATTR} = (q_rows, k_rows, v_rows) of one query group (e.g. "
+                f"(heads // groups * kv_channels, kv_channels, kv_channels)), or muon_split_qkv=False.")
+        return None
+    split = tuple(int(r) for r in split)
+    if len(split) != 3 or min(split) <= 0 or param.shape[0] % sum(split) != 0:
+        raise InvalidConfigError(f"{name}.{QKV_SPLIT_ATTR}={split}: need three positive row counts whose sum divides "
+                                 f"the param's {param.shape[0]} rows.")
+    return split
+
+
+# ------------------------------------------------------------------------------ float64 recomputation (verify mode)
+# Part 1 is elementwise:  B = beta*B0 + (1-beta)*g,  U = (1-beta)*g + beta*B (Nesterov) or B; its bound
+# is the rounding bound of its terms, as for every elementwise rule. Part 2 is not elementwise: the home
+# recomputes O in float64 on the whole matrix from the float64 U, and the bound is RELATIVE TO THE MATRIX:
+#     ||O_fp32 - O_f64||_F <= NS_RELATIVE_ERROR[prec] * ||O_f64||_F,   ||O_f64||_F <= o_norm_bound(...)
+# so every element of the update may differ by lr * NS_RELATIVE_ERROR * o_norm_bound (|e_ij| <= ||E||_F).
+# NS_RELATIVE_ERROR: fp32 ('highest', and 'high' on the CPU) 1e-4 (megatron-core's fp32 Muon vs float64:
+# 7.8e-6..3e-5, docs/muon.md); TF32 ('high' on CUDA) 5e-2; bf16 ('medium') 0.5 (bf16's 2^-8 amplified on
+# the small singular values: 0.2 measured on random matrices), which checks little more than the scale.
+NS_RELATIVE_ERROR = {"highest": 1e-4, "high": 1e-4, "high-cuda": 5e-2, "medium": 0.5}
+NS_SINGULAR_VALUE_MAX = 1.5  # the quintic iteration leaves the singular values in about [0.7, 1.2]
+
+
+def ns_relative_error(precision: str, device: torch.device) -> float:
+    return NS_RELATIVE_ERROR["high-cuda" if (precision == "high" and device.type == "cuda") else precision]
+
+
+def recompute_momentum(rule: Muon, g: torch.Tensor, b0: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Part 1 in float64: (B, its bound, U)."""
+    beta = rule.momentum
+    b = beta * b0 + (1.0 - beta) * g
+    db = rounding_bound(beta * b0, (1.0 - beta) * g)
+    u = (1.0 - beta) * g + beta * b if rule.nesterov else b
+    return b, db, u
+
+
+def o_norm_bound(rule: Muon, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> float:
+    """An upper bound on ||O||_F of one matrix: per piece, scale^2 * min(m, n) * sigma_max^2."""
+    split = tuple(qkv_split) if (rule.split_qkv and qkv_split is not None) else None
+    rows, cols = shape
+    pieces = [(rows // sum(split) * r, cols) for r in split] if split else [(rows, cols)]
+    total = sum(scale_factor(m, n, rule.scale_mode) ** 2 * min(m, n) for m, n in pieces)
+    return NS_SINGULAR_VALUE_MAX * abs(rule.extra_scale_factor) * total ** 0.5
+
+
+def recompute_master(w0: torch.Tensor, o: torch.Tensor, lr: float, weight_decay: float, o_tolerance: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Part 3 in float64: W = W0*(1 - lr*wd) - lr*O, with the rounding bound of its terms plus lr times
+    the (matrix-relative) bound on O."""
+    decayed = w0 * (1.0 - lr * weight_decay)
+    return decayed - lr * o, rounding_bound(decayed, lr * o) + lr * o_tolerance
+
+
+__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error", "newton_schulz", "scale_factor", "qkv_split_of", "QUINTIC", "NS_EPS", "SCALE_MODES",
+           "MATMUL_PRECISIONS", "TP_MODES", "QKV_SPLIT_ATTR"]

@@ -1,0 +1,130 @@
+"""WholeTensorLeaf: the leaf of a rule that needs whole matrices (Muon), over the same ShardStore.
+
+Its pass 2 has three parts. ``apply_update`` (called with every other leaf's) runs the elementwise
+first part on the owned ranges (the momentum, leaving the update direction U per piece);
+``finish_update`` (called by the step driver once every rank has agreed that the first parts
+succeeded) runs the whole-tensor stage (whole_tensor_stage.MatrixExchange: U to each matrix's home,
+orthogonalised there, the slices back) and the elementwise last part (decoupled weight decay and
+the step, rounded into the param buffer). The param all-gather then follows as for every leaf.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..errors import UnsupportedConfigError
+from .leaf import OptimizerLeaf
+from .float64_update import Float64Update
+from .rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
+                         recompute_momentum)
+from .shard_store import ShardStore
+from .whole_tensor_stage import Matrix, MatrixExchange, MatrixKey, piece_key
+
+
+class WholeTensorLeaf(OptimizerLeaf):
+    """One ShardStore whose params the rule updates as whole matrices."""
+
+    has_whole_tensor_stage = True
+
+    def __init__(self, store: ShardStore) -> None:
+        super().__init__(store)
+        rule = store.rule
+        if not isinstance(rule, Muon):
+            raise UnsupportedConfigError(f"the whole-tensor stage runs Muon only, not {type(rule).__name__}.")
+        for s in store.shards:
+            if s.master.dtype != torch.float32:
+                raise UnsupportedConfigError("Muon needs fp32 masters (use_precision_aware_optimizer is not "
+                                             "implemented for Muon yet).")
+        chunk_of = {id(src): i for i, src in enumerate(store.sources)}
+        self._chunk_of = chunk_of
+        managed = store.managed_params()
+        self.exchange = MatrixExchange([(chunk_of[id(src)], s) for src, s in store.published],
+                                       selects=lambda p: id(p) in managed,
+                                       qkv_split_of=lambda name, p: qkv_split_of(name, p, rule.split_qkv),
+                                       pieces_of=rule.pieces, ns_steps=rule.num_ns_steps)
+        self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
+        self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
+
+    def apply_update(self, clip_coef: Optional[torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None:
+        """The first, elementwise part: B = beta*B + (1-beta)*g and U, per owned piece."""
+        if found_inf is not None:
+            raise UnsupportedConfigError("Muon under a device-decided step (optimizer_cuda_graph) is not implemented.")
+        ops.advance_step(self.step, None, backend=self.backend)
+        self._directions = None
+        for multiplier in self.multipliers:
+            multiplier.fold_clip(clip_coef)
+        rule: Muon = self.rule
+        directions: dict[MatrixKey, torch.Tensor] = {}
+        for src, s in self._owned_with_source():
+            scale = self._multiplier_of[id(s.shard.unscale_factor)].update_scale
+            buf = s.state["momentum_buffer"]
+            for pc in s.shard.pieces:
+                a, b = pc.shard_range.start, pc.shard_range.end
+                directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
+                    rule.momentum_direction(s.shard.grad[a:b], scale, buf[a:b])
+        self._directions = directions
+
+    def finish_update(self) -> None:
+        """The whole-tensor stage and the last, elementwise part (every rank of the group calls it)."""
+        directions, self._directions = self._directions, None
+        if directions is None:
+            raise RuntimeError("WholeTensorLeaf.finish_update() without apply_update() in this step.")
+        rule: Muon = self.rule
+        device = self.step.device
+
+        def orthogonalize(u: torch.Tensor, m: Matrix) -> torch.Tensor:
+            return rule.orthogonalize(u, m.qkv_split)
+
+        updates = self.exchange.run(directions, orthogonalize, device)
+        for src, s in self._owned_with_source():
+            for pc, gid in zip(s.shard.pieces, s.table.group):
+                a, b = pc.shard_range.start, pc.shard_range.end
+                group = self.param_groups[gid]
+                rule.apply_direction(s.master[a:b], updates[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)],
+                                     float(group["lr"]), float(group["weight_decay"]))
+                if s.param_out is not None:
+                    s.param_out[a:b].copy_(s.master[a:b])
+
+    def float64_expectation(self, masters: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor],
+                            multipliers: Sequence[torch.Tensor]) -> list[Float64Update]:
+        """Verify mode (a collective, like the step): this step recomputed in float64 from each owned
+        shard's pre-step ``masters`` and ``momenta`` and float64 gradient ``multipliers``; per shard the
+        expected master and momentum over its pieces (zero elsewhere) with their bounds (rules/muon.py:
+        part 2's bound is relative to the whole matrix)."""
+        rule: Muon = self.rule
+        shards = self._owned_with_source()
+        directions: dict[MatrixKey, torch.Tensor] = {}
+        momentum_values = []
+        for (src, s), b0, mult in zip(shards, momenta, multipliers):
+            b, db, u = recompute_momentum(rule, s.shard.grad.double() * mult, b0.double())
+            momentum_values.append((b, db))
+            for pc in s.shard.pieces:
+                directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
+                    u[pc.shard_range.start:pc.shard_range.end]
+
+        def orthogonalize(u: torch.Tensor, m: Matrix) -> torch.Tensor:
+            return rule.orthogonalize(u, m.qkv_split)
+
+        updates = self.exchange.run(directions, orthogonalize, self.step.device, dtype=torch.float64)
+        matrices = {m.key: m for m in self.exchange.matrices}
+        relative = ns_relative_error(rule.fp32_matmul_prec, self.step.device)
+        out = []
+        for (src, s), w0, (b, db) in zip(shards, masters, momentum_values):
+            w, dw = torch.zeros_like(b), torch.zeros_like(b)
+            for pc, gid in zip(s.shard.pieces, s.table.group):
+                a, e = pc.shard_range.start, pc.shard_range.end
+                key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
+                group = self.param_groups[gid]
+                o_tol = relative * o_norm_bound(rule, matrices[key].shape, matrices[key].qkv_split)
+                w[a:e], dw[a:e] = recompute_master(w0[a:e].double(), updates[key], float(group["lr"]),
+                                                   float(group["weight_decay"]), o_tol)
+            out.append(Float64Update({"master": w, "momentum_buffer": b}, {"master": dw, "momentum_buffer": db}))
+        return out
+
+    def _owned_with_source(self):
+        return [(s.source, s) for s in self.store.shards]
+
+
+__all__ = ["WholeTensorLeaf"]
