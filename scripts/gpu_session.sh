@@ -1,44 +1,124 @@
 #!/usr/bin/env bash
-# One device-machine call: build the CUDA extension for sm_90, run the CUDA-marked tests, the kernel
-# benchmark and (time permitting) the whole suite. Logs go to $OUT (the device tool's return folder).
-#   usage (on the GPU machine, repo root): bash scripts/gpu_session.sh [STAGES]   STAGES: build,cuda,bench,suite,step,precision
-#   precision: the precision-aware state tests (CUDA-marked and others), then 16-bit vs fp32 state step times
-#     (one command: bash scripts/gpu_session.sh build,precision)
-#   The benchmarks (scripts/bench_*.py) are entry points of the megatron_opt_bench package, which the build
-#   stage installs with megatron_opt: a stage list without build needs that install already there.
+# One GPU-machine call (issue #31): four stages, each under its own timeout so that one stage's hang cannot
+# eat the next, all results in $OUT (the device tool brings back at most 8 files, 16 MiB each).
+#   usage: bash scripts/gpu_session.sh [--dry-run] [--stages env,tests,megatron,step] [--megatron-iters N]
+#   1 env       (150 s) nvidia-smi, Python/torch/CUDA versions, build csrc for sm_90 (MAX_JOBS=16), whether
+#                       the extension imports
+#   2 tests     (180 s) every CUDA-marked test (-m cuda; pytest-xdist when there), counts per area
+#   3 megatron  (150 s) Megatron-LM's own pretrain_gpt.py (the tree tools/gpu_carry.sh put in .carry/mlm),
+#                       one GPU, --transformer-impl local --mock-data, megatron-core's optimizer, then the
+#                       one-line install(): tools/megatron_lm_cpu/compare.py --gpu
+#   4 step      ( 60 s) bench_optimizer_step.py at 2^22, 2^24, 2^26: eager and optimizer_cuda_graph, fp32 and
+#                       16-bit state, each against its byte floor
+# --dry-run runs all of it but the CUDA work on the CPU: no build, the test selection with --collect-only,
+# the Megatron-LM pair through the CPU shim (2 ranks, gloo, the small model, 3 iterations), the benchmark
+# at 2^12 and 2^14 on the CPU. Before the GPU run: bash tools/gpu_carry.sh; docs/benchmarks.md has the call.
+# $OUT: session.log (everything printed), stages.json (rc and seconds per stage), cuda_tests.json,
+# megatron.json + megatron.md (curves, speed), step.json + step.png, logs.tgz (build, pytest, Megatron-LM logs).
 set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=0 STAGES=env,tests,megatron,step MEGATRON_ITERS=100
+while (($#)); do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --stages) STAGES="$2"; shift ;;
+    --megatron-iters) MEGATRON_ITERS="$2"; shift ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    *) echo "gpu_session: unknown argument $1 (--help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+for s in ${STAGES//,/ }; do
+  [[ " env tests megatron step " == *" $s "* ]] || { echo "gpu_session: unknown stage $s" >&2; exit 2; }
+done
 OUT="${OUT:-/tmp/gpu_out}"; mkdir -p "$OUT"
-STAGES="${1:-build,cuda,bench,suite}"
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv; \
-  python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt"
-if has build; then
+WORK="$(mktemp -d)"
+export DRY OUT WORK MEGATRON_ITERS PYTHON="${PYTHON:-python3}" MLM="${MLM:-.carry/mlm}"
+[[ -d "$MLM" ]] || MLM=/work/mlm/main  # a dry run before tools/gpu_carry.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+  MAX_JOBS="${MAX_JOBS:-16}"
+exec > >(tee -a "$OUT/session.log") 2>&1
+
+stage_env() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || echo "no nvidia-smi"
+  "$PYTHON" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', \
+torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+  local build=("$PYTHON" -m pip install -q --no-build-isolation --no-deps -e .)
+  if ((DRY)); then
+    echo "dry run: build skipped: ${build[*]} (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS)"
+  else
+    local start=$SECONDS
+    "${build[@]}" > "$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; return 1; }
+    echo "build: $((SECONDS - start)) s"
+  fi
+  "$PYTHON" -c "import megatron_opt.ops as o; print('extension imports:', o.HAS_CUDA_EXT, o.CUDA_EXT_ERROR or ''); \
+raise SystemExit(0 if o.HAS_CUDA_EXT or $DRY else 1)"
+}
+
+stage_tests() {
+  local args=(-q -p no:cacheprovider -m cuda tests)
+  if ((DRY)); then
+    "$PYTHON" -m pytest "${args[@]}" --collect-only > "$WORK/cuda_tests.log" 2>&1 || { tail -20 "$WORK/cuda_tests.log"; return 1; }
+    tail -1 "$WORK/cuda_tests.log"
+    "$PYTHON" tools/cuda_test_counts.py --collected "$WORK/cuda_tests.log" --json "$OUT/cuda_tests.json"
+    return
+  fi
+  "$PYTHON" -c "import xdist" 2>/dev/null && args+=(-n 8)
+  timeout 165 "$PYTHON" -m pytest "${args[@]}" --timeout 60 --junitxml "$WORK/cuda_tests.xml" > "$WORK/cuda_tests.log" 2>&1
+  local rc=$?
+  tail -3 "$WORK/cuda_tests.log"
+  [[ -f "$WORK/cuda_tests.xml" ]] && "$PYTHON" tools/cuda_test_counts.py "$WORK/cuda_tests.xml" --json "$OUT/cuda_tests.json"
+  return $rc
+}
+
+# a GPT one H100 trains fast: ~150 M params + embeddings, 32 Ki tokens per iteration
+GPU_MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
+--max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 --lr 3e-4 --lr-warmup-iters 10 \
+--clip-grad 1.0 --weight-decay 0.1 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000 \
+--mock-data --tokenizer-type NullTokenizer --vocab-size 32000"
+export GPU_MODEL
+stage_megatron() {
+  # --logging-level 20: Megatron-LM prints its timers (the optimizer timer) through logger.info
+  local args=(tools/megatron_lm_cpu/compare.py --versions main --main "$MLM" "$PYTHON" --layouts DP2 --no-resume
+              --extra "--timing-log-level 2 --log-throughput --logging-level 20" --logs "$WORK/megatron" --summary "$OUT/megatron.json")
+  if ((DRY)); then  # the CPU shim, 2 ranks (gloo), compare.py's small model
+    args+=(--iters 3 --launch-timeout 150)
+  else
+    args+=(--gpu --nproc 1 --iters "$MEGATRON_ITERS" --model "$GPU_MODEL" --launch-timeout 72)
+  fi
+  "$PYTHON" "${args[@]}"
+  local rc=$?
+  [[ -f "$OUT/megatron.md" ]] && cat "$OUT/megatron.md"
+  return $rc
+}
+
+stage_step() {
+  local args=(scripts/bench_optimizer_step.py --mo-states fp32,bf16,bf16+rem --json "$OUT/step.json")
+  "$PYTHON" -c "import matplotlib" 2>/dev/null && args+=(--plot "$OUT/step.png")
+  if ((DRY)); then
+    args+=(--device cpu --log2-sizes 12,14 --iters 2 --warmup 1)
+  else
+    args+=(--device cuda --log2-sizes 22,24,26 --iters 20 --warmup 5)
+  fi
+  "$PYTHON" "${args[@]}"
+}
+export -f stage_env stage_tests stage_megatron stage_step
+
+declare -A BUDGET=([env]=150 [tests]=180 [megatron]=150 [step]=60)
+((DRY)) && BUDGET[megatron]=240  # two CPU launches of Megatron-LM, ~50 s each on two shared cores
+RESULTS=()
+for s in env tests megatron step; do
+  [[ ",$STAGES," == *",$s,"* ]] || continue
+  echo "=== stage $s (<= ${BUDGET[$s]} s)$( ((DRY)) && echo ', dry run') === $(date -u +%T)"
   start=$SECONDS
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-  echo "build: $((SECONDS-start)) s"
-  python3 -c "import megatron_opt.ops as o; print('ext', o.HAS_CUDA_EXT, o.CUDA_EXT_ERROR)"
-fi
-if has cuda; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m cuda --maxfail 60 --timeout 120 tests 2>&1 | tee "$OUT/cuda_tests.log" | tail -40
-fi
-if has step; then
-  timeout 240 python3 scripts/bench_optimizer_step.py --check --json "$OUT/step.json" --plot "$OUT/step.png" 2>&1 | tee "$OUT/bench_step.log" | tail -30
-fi
-if has precision; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider --maxfail 60 --timeout 200 \
-    tests/kernels/test_ops_precision_cuda.py tests/distributed/test_precision_aware.py 2>&1 | tee "$OUT/precision_tests.log" | tail -30
-  plot=(); python3 -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/step_states.png")  # else re-plot with --from-json
-  timeout 300 python3 scripts/bench_optimizer_step.py --check --mo-states fp32,bf16,bf16+rem \
-    --json "$OUT/step_states.json" "${plot[@]}" 2>&1 | tee "$OUT/bench_step_states.log" | tail -40
-fi
-if has bench; then
-  timeout 200 python3 scripts/bench_kernels.py --log2-sizes 24,26,28 --iters 20 2>&1 | tee "$OUT/bench_kernels.log" | tail -40
-fi
-if has suite; then
-  timeout 330 python3 -m pytest -q -p no:cacheprovider --timeout 200 tests 2>&1 | tee "$OUT/suite.log" | tail -30
-fi
+  timeout -k 5 "${BUDGET[$s]}" bash -c "stage_$s"
+  rc=$?
+  echo "=== stage $s: rc $rc$( ((rc == 124)) && echo ' (timed out)'), $((SECONDS - start)) s"
+  RESULTS+=("\"$s\": {\"rc\": $rc, \"seconds\": $((SECONDS - start))}")
+  [[ $s == env && $rc != 0 ]] && ! ((DRY)) && echo "no extension: the CUDA stages would only skip" && break
+done
+(IFS=,; echo "{\"dry_run\": $DRY, ${RESULTS[*]}}") > "$OUT/stages.json"
+tar -C "$WORK" -czf "$OUT/logs.tgz" . && rm -rf "$WORK"
+cat "$OUT/stages.json"
+ls -la "$OUT"
+! grep -q '"rc": [1-9]' "$OUT/stages.json"

@@ -2,6 +2,7 @@
 
     python tools/megatron_lm_cpu/compare.py [--v0161 DIR PYTHON] [--main DIR PYTHON] [--versions v0161 main]
         [--layouts DP2 TP2 PP2] [--fp32] [--no-resume] [--logs DIR]
+        [--gpu] [--nproc N] [--iters N] [--model ARGS] [--launch-timeout S] [--summary PATH]
 
 For each Megatron-LM version (a source tree with megatron/, pretrain_gpt.py, gpt_builders.py and
 model_provider.py, and an interpreter with
@@ -14,6 +15,13 @@ compares the iterations: max |Δ lm loss|, max |Δ grad norm| (full precision, f
 run that saves at the same iteration; it also loads megatron-core's checkpoint with megatron_opt
 (cross). Needs nothing from this repository at run time but run.py and cpu_shim.py.
 Logs go to --logs (a temporary folder by default); the exit status is 1 if a run failed.
+
+--gpu runs the same pairs on real GPUs (run.py --gpu: no CPU shim, NCCL, no CPU-only flags but
+--transformer-impl local; --nproc ranks, one per GPU). --summary writes, per version and layout, both runs'
+per-iteration loss and grad norm, their differences, and the speed Megatron-LM logs (median over the
+iterations after the first quarter: iteration ms, TFLOP/s/GPU, tokens/s from the global batch and
+sequence length, the ``optimizer`` timer's max across ranks; with --gpu the peak allocated memory), as
+JSON at PATH and a markdown table beside it (PATH with .md). scripts/gpu_session.sh uses both.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ITERS = 6
+NPROC = 2
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
          "--mock-data --tokenizer-type NullTokenizer --vocab-size 128").split()
@@ -39,12 +48,17 @@ UNDER_TEST = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-
 LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--pipeline-model-parallel-size", "2"]}
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+.\dEe]+) \| loss scale: ([-+.\dEe]+) \| "
                       r"grad norm: ([-+.\dEe]+) \|(?: num zeros: ([-+.\dEe]+) \|)?")
+ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
+                     r"(?: throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|)?")
+OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: (?:\(([\d.]+), )?([\d.]+)\)?\s*$")
 
 
-def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: str, timeout: int = 240):
+def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: str, timeout: int = 240,
+           nproc: int = NPROC, gpu: bool = False):
     """One torchrun launch of run.py; returns (rc, seconds, {iteration: record})."""
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "run.py"), mlm_dir, "--precise-log"] + (["--megatron-opt"] if megatron_opt else [])
+    cmd += ["--gpu"] if gpu else []
     cmd += ["--"] + args
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
     start = time.time()
@@ -59,19 +73,69 @@ def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: 
 
 
 def parse(log: str) -> dict[int, dict]:
-    """Per iteration: the precise record and the log line's (rounded) values."""
+    """Per iteration: the precise record, the log line's (rounded) values and the speed it logs (iteration
+    ms, TFLOP/s/GPU; the ``optimizer`` timer printed after it, its max across ranks)."""
     records: dict[int, dict] = {}
+    last = None
     with open(log, errors="replace") as f:
         for line in f:
+            line = re.sub(r"^\[rank\d+\]:", "", line)
             if line.startswith("PRECISE "):
                 rec = json.loads(line[len("PRECISE "):])
                 records.setdefault(rec["iteration"], {}).update(
                     loss=rec["losses"].get("lm loss"), grad_norm=rec["grad_norm"], num_zeros=rec["num_zeros"],
                     loss_scale=rec["loss_scale"], skipped=rec["skipped"])
-            elif (m := LOG_LINE.search(line)):
-                records.setdefault(int(m.group(1)), {})["line"] = tuple(
+                if "max_allocated_mib" in rec:
+                    records[rec["iteration"]]["max_allocated_mib"] = rec["max_allocated_mib"]
+                continue
+            if (m := LOG_LINE.search(line)):
+                last = int(m.group(1))
+                records.setdefault(last, {})["line"] = tuple(
                     None if g is None else float(g) for g in m.groups()[1:])
+            if (m := ITER_MS.search(line)):
+                last = int(m.group(1))
+                records.setdefault(last, {})["iter_ms"] = float(m.group(2))
+                if m.group(3) is not None:
+                    records[last]["tflops"] = float(m.group(3))
+            elif last is not None and (m := OPTIMIZER_TIMER.match(line)):
+                records[last]["optimizer_ms"] = float(m.group(2))
     return records
+
+
+def speed(recs: dict[int, dict], tokens_per_iter: int) -> dict:
+    """Medians over the iterations after the first quarter (start-up, allocator and NCCL warm-up)."""
+    import statistics
+    its = sorted(recs)[len(recs) // 4:]
+
+    def median(key):
+        values = [recs[i][key] for i in its if recs[i].get(key) is not None]
+        return statistics.median(values) if values else None
+    out = {"iterations": len(recs), "median_over": len(its), "iter_ms": median("iter_ms"),
+           "tflops_per_gpu": median("tflops"), "optimizer_ms": median("optimizer_ms"),
+           "max_allocated_mib": max((r["max_allocated_mib"] for r in recs.values() if "max_allocated_mib" in r),
+                                    default=None)}
+    out["tokens_per_s"] = None if not out["iter_ms"] else tokens_per_iter / (out["iter_ms"] / 1e3)
+    return out
+
+
+def write_summary(path: str, pairs: list[dict]) -> None:
+    """--summary: JSON at path, a markdown table at path's stem + .md."""
+    with open(path, "w") as f:
+        json.dump(pairs, f, indent=1)
+    head = ("| run | optimizer | its | iter ms | tokens/s | TFLOP/s/GPU | optimizer ms | peak MiB | "
+            "max abs d loss | max abs d grad norm |\n|" + "---|" * 10)
+    rows = [head]
+    for pair in pairs:
+        d = pair["diff"]
+        for name in ("megatron-core", "megatron_opt"):
+            s = pair[name]["speed"]
+            cell = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+            rows.append(f"| {pair['run']} | {name} | {s['iterations']} | {cell(s['iter_ms'], '.1f')} | "
+                        f"{cell(s['tokens_per_s'], '.0f')} | {cell(s['tflops_per_gpu'], '.1f')} | "
+                        f"{cell(s['optimizer_ms'], '.2f')} | {cell(s['max_allocated_mib'], '.0f')} | "
+                        f"{cell(d.get('dloss'), '.2e')} | {cell(d.get('dnorm'), '.2e')} |")
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write("\n".join(rows) + "\n")
 
 
 def failure(log: str) -> str:
@@ -122,18 +186,31 @@ def main() -> int:
     p.add_argument("--no-matrix", action="store_true", help="only the resume check")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py arguments for every run (one string)")
     p.add_argument("--logs", help="folder for the run logs and checkpoints (default: a temporary folder)")
+    p.add_argument("--gpu", action="store_true", help="real GPUs: run.py --gpu, NCCL, no CPU-only flags")
+    p.add_argument("--nproc", type=int, default=NPROC, help=f"ranks (default {NPROC}; one GPU each with --gpu)")
+    p.add_argument("--iters", type=int, default=ITERS, help=f"training iterations (default {ITERS}; the resume "
+                   "check saves at 3)")
+    p.add_argument("--model", default=" ".join(MODEL), help="the model and batch arguments (one string; default: "
+                   "the small CPU model)")
+    p.add_argument("--launch-timeout", type=int, default=240, help="seconds per torchrun launch")
+    p.add_argument("--summary", metavar="PATH", help="JSON (and PATH.md) of each pair's curves and speed")
     opts = p.parse_args()
     logs = opts.logs or tempfile.mkdtemp(prefix="megatron_lm_cpu.")
     os.makedirs(logs, exist_ok=True)
-    base = MODEL + ["--train-iters", str(ITERS)] + CPU_ONLY + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
-    all_its = range(1, ITERS + 1)
+    iters = opts.iters
+    model = opts.model.split()
+    device_args = ["--transformer-impl", "local"] if opts.gpu else CPU_ONLY
+    base = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
+    tokens_per_iter = int(model[model.index("--global-batch-size") + 1]) * int(model[model.index("--seq-length") + 1])
+    all_its = range(1, iters + 1)
+    pairs = []
     report, failed = [], False
 
     def run(version, name, megatron_opt, args):
         nonlocal failed
         mlm_dir, python = getattr(opts, version)
         log = os.path.join(logs, f"{version}.{name.replace(' ', '.')}.{'mo' if megatron_opt else 'mcore'}.log")
-        rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log)
+        rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log, opts.launch_timeout, opts.nproc, opts.gpu)
         status = "ok" if rc == 0 else f"FAILED rc={rc}: {failure(log)}"
         print(f"  {version:<6} {name:<18} {'megatron_opt' if megatron_opt else 'megatron-core':<13} {secs:5.1f}s  "
               f"{len(recs)} its  {status}  ({log})", flush=True)
@@ -155,10 +232,18 @@ def main() -> int:
                 recs[megatron_opt] = run(version, layout, megatron_opt, args + extra)
             if layout == "DP2":
                 refs = recs
-            report.append(row(f"{version} {layout} mcore vs megatron_opt", diff(recs[False], recs[True], all_its), all_its))
+            d = diff(recs[False], recs[True], all_its)
+            report.append(row(f"{version} {layout} mcore vs megatron_opt", d, all_its))
+            pairs.append({"run": f"{version} {layout}", "nproc": opts.nproc, "gpu": opts.gpu, "args": args,
+                          "diff": {k: v for k, v in d.items() if k != "zeros_differ"} | {
+                              "zeros_differ": len(d.get("zeros_differ", []))},
+                          **{name: {"speed": speed(recs[mo], tokens_per_iter),
+                                    "curve": {i: {"loss": r.get("loss"), "grad_norm": r.get("grad_norm")}
+                                              for i, r in sorted(recs[mo].items())}}
+                             for name, mo in (("megatron-core", False), ("megatron_opt", True))}})
         if opts.no_resume:
             continue
-        resumed_its = range(4, ITERS + 1)
+        resumed_its = range(4, iters + 1)
         for megatron_opt in (False, True):
             tag = "mo" if megatron_opt else "mcore"
             if megatron_opt not in refs:
@@ -184,7 +269,9 @@ def main() -> int:
             report.append(row(f"{version} DP2 mcore ckpt -> megatron_opt", diff(refs[False], cross, resumed_its),
                               resumed_its))
 
-    print(f"\n{'bf16' if not opts.fp32 else 'fp32'}, {ITERS} iterations, extra {opts.extra.split()}, logs in {logs}")
+    if opts.summary:
+        write_summary(opts.summary, pairs)
+    print(f"\n{'bf16' if not opts.fp32 else 'fp32'}, {iters} iterations, extra {opts.extra.split()}, logs in {logs}")
     print("\n".join(report))
     print("log lines: the log line's rounded lm loss / loss scale / grad norm; n/a after a resume (the first "
           "logged iteration's loss is averaged into the next line)")
