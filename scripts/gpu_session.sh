@@ -11,8 +11,9 @@
 #   4 step      ( 60 s) bench_optimizer_step.py at 2^22, 2^24, 2^26: eager and optimizer_cuda_graph, fp32 and
 #                       16-bit state, each against its byte floor
 # --dry-run runs all of it but the CUDA work on the CPU: no build, the test selection with --collect-only,
-# the Megatron-LM pair through the CPU shim (2 ranks, gloo, the small model, 3 iterations), the benchmark
-# at 2^12 and 2^14 on the CPU. Before the GPU run: bash tools/gpu_carry.sh; docs/benchmarks.md has the call.
+# the Megatron-LM command lines for the GPU, then the pair through the CPU shim (2 ranks, gloo, the same
+# flags at a small size, 3 iterations), the benchmark at 2^12 and 2^14 on the CPU.
+# Before the GPU run: bash tools/gpu_carry.sh; docs/benchmarks.md has the device call.
 # $OUT: session.log (everything printed), stages.json (rc and seconds per stage), cuda_tests.json,
 # megatron.json + megatron.md (curves, speed), step.json + step.png, logs.tgz (build, pytest, Megatron-LM logs).
 set -uo pipefail
@@ -23,7 +24,7 @@ while (($#)); do
     --dry-run) DRY=1 ;;
     --stages) STAGES="$2"; shift ;;
     --megatron-iters) MEGATRON_ITERS="$2"; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_session: unknown argument $1 (--help)" >&2; exit 2 ;;
   esac
   shift
@@ -71,20 +72,25 @@ stage_tests() {
   return $rc
 }
 
-# a GPT one H100 trains fast: ~150 M params + embeddings, 32 Ki tokens per iteration
+# a GPT one H100 trains fast (~150 M params + embeddings, 32 Ki tokens per iteration); the dry run trains
+# the same flags at compare.py's small CPU size
+TRAIN_ARGS="--lr 3e-4 --clip-grad 1.0 --weight-decay 0.1 --seed 1234 --log-interval 1 --eval-iters 0 \
+--eval-interval 100000 --mock-data --tokenizer-type NullTokenizer"
 GPU_MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
---max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 --lr 3e-4 --lr-warmup-iters 10 \
---clip-grad 1.0 --weight-decay 0.1 --seed 1234 --log-interval 1 --eval-iters 0 --eval-interval 100000 \
---mock-data --tokenizer-type NullTokenizer --vocab-size 32000"
-export GPU_MODEL
+--max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 --vocab-size 32000 --lr-warmup-iters 10 $TRAIN_ARGS"
+DRY_MODEL="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 \
+--micro-batch-size 2 --global-batch-size 8 --vocab-size 128 --lr-warmup-iters 1 $TRAIN_ARGS"
+export GPU_MODEL DRY_MODEL
 stage_megatron() {
   # --logging-level 20: Megatron-LM prints its timers (the optimizer timer) through logger.info
   local args=(tools/megatron_lm_cpu/compare.py --versions main --main "$MLM" "$PYTHON" --layouts DP2 --no-resume
               --extra "--timing-log-level 2 --log-throughput --logging-level 20" --logs "$WORK/megatron" --summary "$OUT/megatron.json")
-  if ((DRY)); then  # the CPU shim, 2 ranks (gloo), compare.py's small model
-    args+=(--iters 3 --launch-timeout 150)
+  local gpu=(--gpu --nproc 1 --iters "$MEGATRON_ITERS" --model "$GPU_MODEL" --launch-timeout 72)
+  if ((DRY)); then  # the GPU command lines, then the pair through the CPU shim: 2 ranks (gloo), the small model
+    "$PYTHON" "${args[@]}" "${gpu[@]}" --print-only || return 1
+    args+=(--iters 3 --model "$DRY_MODEL" --launch-timeout 150)
   else
-    args+=(--gpu --nproc 1 --iters "$MEGATRON_ITERS" --model "$GPU_MODEL" --launch-timeout 72)
+    args+=("${gpu[@]}")
   fi
   "$PYTHON" "${args[@]}"
   local rc=$?

@@ -16,8 +16,8 @@ run that saves at the same iteration; it also loads megatron-core's checkpoint w
 (cross). Needs nothing from this repository at run time but run.py and cpu_shim.py.
 Logs go to --logs (a temporary folder by default); the exit status is 1 if a run failed.
 
---gpu runs the same pairs on real GPUs (run.py --gpu: no CPU shim, NCCL, no CPU-only flags but
---transformer-impl local; --nproc ranks, one per GPU). --summary writes, per version and layout, both runs'
+--gpu runs the same pairs on real GPUs (run.py --gpu: no CPU shim, NCCL, the flags without gloo;
+--nproc ranks, one per GPU). --summary writes, per version and layout, both runs'
 per-iteration loss and grad norm, their differences, and the speed Megatron-LM logs (median over the
 iterations after the first quarter: iteration ms, TFLOP/s/GPU, tokens/s from the global batch and
 sequence length, the ``optimizer`` timer's max across ranks; with --gpu the peak allocated memory), as
@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,9 +42,11 @@ NPROC = 2
 MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 "
          "--micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --log-interval 1 --eval-iters 0 --eval-interval 1000 "
          "--mock-data --tokenizer-type NullTokenizer --vocab-size 128").split()
-# CPU-only: gloo, no Transformer Engine / apex / fused CUDA kernels.
-CPU_ONLY = ("--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
-            "--no-persist-layer-norm --no-masked-softmax-fusion").split()
+# No Transformer Engine, apex or Megatron-LM's fused CUDA kernels (none on the CPU; none installed on the
+# GPU machine either: masked-softmax and gradient-accumulation fusion would import them); CPU: gloo.
+NO_FUSED_KERNELS = ("--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
+                    "--no-masked-softmax-fusion").split()
+CPU_ONLY = ["--distributed-backend", "gloo"] + NO_FUSED_KERNELS
 UNDER_TEST = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --log-num-zeros-in-grad".split()
 LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--pipeline-model-parallel-size", "2"]}
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+.\dEe]+) \| loss scale: ([-+.\dEe]+) \| "
@@ -53,21 +56,30 @@ ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration 
 OPTIMIZER_TIMER = re.compile(r"^\s+optimizer \.+: (?:\(([\d.]+), )?([\d.]+)\)?\s*$")
 
 
+def command(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], nproc: int = NPROC,
+            gpu: bool = False) -> list[str]:
+    """The torchrun command line of one run.py launch."""
+    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(HERE, "run.py"), mlm_dir, "--precise-log"] + (["--megatron-opt"] if megatron_opt else [])
+    return cmd + (["--gpu"] if gpu else []) + ["--"] + args
+
+
 def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: str, timeout: int = 240,
            nproc: int = NPROC, gpu: bool = False):
     """One torchrun launch of run.py; returns (rc, seconds, {iteration: record})."""
-    cmd = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "run.py"), mlm_dir, "--precise-log"] + (["--megatron-opt"] if megatron_opt else [])
-    cmd += ["--gpu"] if gpu else []
-    cmd += ["--"] + args
+    cmd = command(python, mlm_dir, megatron_opt, args, nproc, gpu)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
     start = time.time()
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
+        # its own process group: a timeout ends torchrun's workers too (on a GPU they would keep its memory)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+            rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
             rc = "timeout"
     return rc, time.time() - start, parse(log)
 
@@ -186,7 +198,7 @@ def main() -> int:
     p.add_argument("--no-matrix", action="store_true", help="only the resume check")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py arguments for every run (one string)")
     p.add_argument("--logs", help="folder for the run logs and checkpoints (default: a temporary folder)")
-    p.add_argument("--gpu", action="store_true", help="real GPUs: run.py --gpu, NCCL, no CPU-only flags")
+    p.add_argument("--gpu", action="store_true", help="real GPUs: run.py --gpu, NCCL (no --distributed-backend gloo)")
     p.add_argument("--nproc", type=int, default=NPROC, help=f"ranks (default {NPROC}; one GPU each with --gpu)")
     p.add_argument("--iters", type=int, default=ITERS, help=f"training iterations (default {ITERS}; the resume "
                    "check saves at 3)")
@@ -194,12 +206,13 @@ def main() -> int:
                    "the small CPU model)")
     p.add_argument("--launch-timeout", type=int, default=240, help="seconds per torchrun launch")
     p.add_argument("--summary", metavar="PATH", help="JSON (and PATH.md) of each pair's curves and speed")
+    p.add_argument("--print-only", action="store_true", help="print each launch's command line, run nothing")
     opts = p.parse_args()
     logs = opts.logs or tempfile.mkdtemp(prefix="megatron_lm_cpu.")
     os.makedirs(logs, exist_ok=True)
     iters = opts.iters
     model = opts.model.split()
-    device_args = ["--transformer-impl", "local"] if opts.gpu else CPU_ONLY
+    device_args = NO_FUSED_KERNELS if opts.gpu else CPU_ONLY
     base = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
     tokens_per_iter = int(model[model.index("--global-batch-size") + 1]) * int(model[model.index("--seq-length") + 1])
     all_its = range(1, iters + 1)
@@ -210,6 +223,9 @@ def main() -> int:
         nonlocal failed
         mlm_dir, python = getattr(opts, version)
         log = os.path.join(logs, f"{version}.{name.replace(' ', '.')}.{'mo' if megatron_opt else 'mcore'}.log")
+        if opts.print_only:
+            print(" ".join(command(python, mlm_dir, megatron_opt, args, opts.nproc, opts.gpu)))
+            return {}
         rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log, opts.launch_timeout, opts.nproc, opts.gpu)
         status = "ok" if rc == 0 else f"FAILED rc={rc}: {failure(log)}"
         print(f"  {version:<6} {name:<18} {'megatron_opt' if megatron_opt else 'megatron-core':<13} {secs:5.1f}s  "

@@ -9,10 +9,11 @@ MEGATRON_LM_DIR is a Megatron-LM source tree holding at least ``megatron/``, ``p
 gpt_builders.py model_provider.py | tar -x -C DIR``). In order: MEGATRON_LM_DIR goes first on sys.path
 (its megatron/ wins over an installed megatron-core); the installed wheel's build of the dataset helpers
 is used if the tree has none (and a build the tree has is used without Megatron-LM's make step);
-cpu_shim.install() (torch.cuda, megatron-core), unless --gpu (a real GPU: no shim at all); with --megatron-opt the one line
-``import megatron_opt.megatron; megatron_opt.megatron.install()``, before megatron.training is
-imported, where the README puts it; cpu_shim.install_training() (not with --gpu); with --precise-log a full-precision
-copy of each log line's numbers (``PRECISE {json}``; with --gpu also the peak allocated GPU memory); then pretrain_gpt.py runs as __main__ with the
+cpu_shim.install() (torch.cuda, megatron-core), unless --gpu (a real GPU: no shim at all); with
+--megatron-opt the one line ``import megatron_opt.megatron; megatron_opt.megatron.install()``, before
+megatron.training is imported, where the README puts it; cpu_shim.install_training() (not with --gpu);
+with --precise-log a full-precision copy of each log line's numbers (``PRECISE {json}``; with --gpu also
+the peak allocated GPU memory); then pretrain_gpt.py runs as __main__ with the
 arguments after ``--``. compare.py runs the matrix.
 """
 import os
