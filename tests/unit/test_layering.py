@@ -10,9 +10,10 @@ PACKAGE = Path(megatron_opt.__file__).resolve().parent
 ADAPTER = PACKAGE / "megatron"
 
 
-def _imported_modules(path: Path) -> list[str]:
-    """Absolute names of the megatron_opt modules ``path`` imports (relative imports resolved)."""
-    package = ".".join(("megatron_opt",) + path.relative_to(PACKAGE).with_suffix("").parts)
+def _imports_of(path: Path, root: Path, root_name: str, with_members: bool = True) -> list[str]:
+    """Absolute names of the modules ``path`` (inside package ``root_name`` at ``root``) imports, relative
+    imports resolved; with ``with_members``, also ``module.member`` for each name a from-import takes."""
+    package = ".".join((root_name,) + path.relative_to(root).with_suffix("").parts)
     if path.name != "__init__.py":
         package = package.rsplit(".", 1)[0]
     names = []
@@ -20,10 +21,15 @@ def _imported_modules(path: Path) -> list[str]:
         if isinstance(node, ast.ImportFrom):
             base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
             module = ".".join(base + ([node.module] if node.module else []))
-            names += [module] + [f"{module}.{a.name}" for a in node.names]
+            names += [module] + ([f"{module}.{a.name}" for a in node.names] if with_members else [])
         elif isinstance(node, ast.Import):
             names += [a.name for a in node.names]
     return names
+
+
+def _imported_modules(path: Path) -> list[str]:
+    """Absolute names of the megatron_opt modules ``path`` imports (relative imports resolved)."""
+    return _imports_of(path, PACKAGE, "megatron_opt")
 
 
 def test_nothing_outside_the_adapter_imports_it():
@@ -44,20 +50,8 @@ def _application_imports() -> dict[str, list[str]]:
     import megatron_opt_train
 
     app = Path(megatron_opt_train.__file__).resolve().parent
-    out = {}
-    for path in sorted(app.rglob("*.py")):
-        package = ".".join(("megatron_opt_train",) + path.relative_to(app).with_suffix("").parts)
-        if path.name != "__init__.py":
-            package = package.rsplit(".", 1)[0]
-        names = []
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-                names.append(".".join(base + ([node.module] if node.module else [])))
-            elif isinstance(node, ast.Import):
-                names += [a.name for a in node.names]
-        out[str(path.relative_to(app))] = names
-    return out
+    return {str(path.relative_to(app)): _imports_of(path, app, "megatron_opt_train", with_members=False)
+            for path in sorted(app.rglob("*.py"))}
 
 
 def test_the_library_does_not_import_the_application():
