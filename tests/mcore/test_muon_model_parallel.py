@@ -28,6 +28,7 @@ CASES = [  # (layout, muon_tp_mode): the issue's layouts at 4 ranks (DP 2 each)
     ("tp2", "duplicated"),
     ("tp2", "distributed"),
     ("tp2_sp", "duplicated"),
+    ("tp2_glu", "distributed"),  # SwiGLU's strided fc1: its TP blocks are a row permutation of the matrix
     ("pp2", "blockwise"),
     ("pp2_vp2", "blockwise"),
 ]
