@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -191,13 +191,17 @@ def _counted(chunks: list, whole: dict) -> list:
 
 def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overlap: bool = True,
              nesterov: bool = False, matmul_prec: str = "highest", verify: bool = False, ga: int = 2, mb: int = 2,
-             bucket_size: int = 4000, nonfinite_at: Optional[int] = None) -> dict:
+             bucket_size: int = 4000, nonfinite_at: Optional[int] = None,
+             inspect: Optional[Callable[[dict], dict]] = None) -> dict:
     """Train ``steps`` steps of megatron_opt's Muon in the named layout (LAYOUTS, 4 ranks) and the float64
     reference on the same global batches; this rank's per-step figures (the same on every rank) and
     replica checks. ``tp_mode``: muon_tp_mode (also the reference's); ``overlap``: overlap_grad_reduce and
     overlap_param_gather; ``verify``: verify mode every step (the float64 recomputation of the update);
     ``nonfinite_at``: at that step the last rank (the last pipeline stage) puts a NaN into one of its
-    reduced gradients, so every rank must skip it (the reference skips it too)."""
+    reduced gradients, so every rank must skip it (the reference skips it too); ``inspect``: a module-level
+    function (it travels to the workers by name) called after the last step, inside the layout's
+    parallel state, with {"layout", "chunks", "ddps", "optimizer", "reference", "step_batches"}; the dict it
+    returns is merged into the figures (e.g. a checkpoint round trip, megatron-core's own Muon)."""
     options = dict(tp_mode=tp_mode, overlap=overlap, nesterov=nesterov, matmul_prec=matmul_prec, verify=verify,
                    bucket_size=bucket_size, nonfinite_at=nonfinite_at)
     layout = LAYOUTS[layout_name]
@@ -262,6 +266,9 @@ def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overl
             out["optimizer_module"] = type(opt).__module__
             if verify:
                 out["verified"] = opt.verify_report.verified_steps
+            if inspect is not None:
+                out.update(inspect(dict(layout=layout, chunks=chunks, ddps=ddps, optimizer=opt, reference=reference,
+                                        step_batches=step_batches)))
         finally:
             megatron_opt.megatron.uninstall()
     return out
