@@ -83,11 +83,18 @@ def per_param_state(store: ShardStore) -> dict[torch.Tensor, dict[str, Any]]:
 
 def gather_main_params(store: ShardStore) -> dict[str, torch.Tensor]:
     """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
-    masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): master_values(s) for s in store.shards}
+    owned: dict[tuple, list] = {}
+    for s in store.shards:  # with ``selects`` a published shard may have several (narrowed) OwnedShards
+        owned.setdefault((id(s.source), s.shard.buffer_index, s.shard.bucket_index), []).append(s)
 
     def master_of(src: GradSource, shard: LocalShard) -> torch.Tensor:
-        key = (id(src), shard.buffer_index, shard.bucket_index)
-        return masters.get(key, torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device))
+        runs = owned.get((id(src), shard.buffer_index, shard.bucket_index), [])
+        if len(runs) == 1 and runs[0].offset == 0 and runs[0].shard.numel == shard.numel:
+            return master_values(runs[0])  # the whole shard (every store without ``selects``)
+        flat = torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device)
+        for s in runs:
+            flat[s.offset : s.offset + s.shard.numel].copy_(master_values(s))
+        return flat
 
     out: dict[str, torch.Tensor] = {}
     for src in store.sources:
