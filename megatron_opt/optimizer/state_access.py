@@ -70,6 +70,26 @@ def state_tensors(store: ShardStore) -> dict[str, torch.Tensor]:
     return out
 
 
+GAPS = "(gaps)"  # state_bytes' name for allocated elements no piece covers (bucket padding inside a shard)
+
+
+def state_bytes(store: ShardStore) -> list[tuple[GradSource, str, str, int]]:
+    """What this rank's optimizer state occupies: (model chunk, param name or GAPS, state name, bytes)
+    per owned piece and state tensor ('master' and the update rule's). A master that IS the fp32 param
+    buffer (fp32 params) costs nothing beyond the model and counts 0 bytes."""
+    out = []
+    for s in store.shards:
+        tensors = {"master": s.master, **s.state}
+        covered = sum(pc.shard_range.size for pc in s.shard.pieces)
+        for state, t in tensors.items():
+            size = 0 if state == "master" and s.param_out is None else t.element_size()
+            for pc in s.shard.pieces:
+                out.append((s.source, s.shard.names[pc.param_index], state, pc.shard_range.size * size))
+            if s.shard.numel > covered:
+                out.append((s.source, GAPS, state, (s.shard.numel - covered) * size))
+    return out
+
+
 def per_param_state(store: ShardStore) -> dict[torch.Tensor, dict[str, Any]]:
     """Per main param: views of the flat optimizer state, as torch.optim exposes it."""
     out = {}
@@ -122,5 +142,5 @@ def reload_model_params(store: ShardStore) -> None:
             s.master.copy_(s.param_out)
 
 
-__all__ = ["PieceState", "piece_states", "state_tensors", "per_param_state", "gather_main_params",
+__all__ = ["GAPS", "PieceState", "piece_states", "state_bytes", "state_tensors", "per_param_state", "gather_main_params",
            "round_masters_into_params", "reload_model_params"]

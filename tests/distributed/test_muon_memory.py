@@ -1,0 +1,27 @@
+"""Muon's optimizer memory per rank (issue #30: one momentum per Muon param, masters as today):
+a bf16 model at DP 1-3 keeps exactly one fp32 master per owned element, the momentum on the Muon
+elements only and AdamW's two moments on the others, nothing for the bucket padding or for the
+other child's elements (each child of the Muon/AdamW chain allocates for the params it updates)."""
+import pytest
+
+from tests.distributed import cases_muon_memory
+
+TIMEOUT = 120
+NUMEL = 32 * 16 + 32 * 16 + (24 * 16 + 24) + (16 * 24 + 16) + 2 * 16 + 32 * 16  # MuonNet's params
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_muon_state_bytes_are_one_master_and_one_rule_state_per_owned_element(pools, world):
+    results = pools(world).run(cases_muon_memory.memory, timeout=TIMEOUT)
+    assert sum(r["owned"] for r in results) == NUMEL  # the ranks own the model once between them
+    for rank, r in enumerate(results):
+        assert r["success"], f"rank {rank}: the step failed"
+        assert r["shards"] > 1, "the case needs several buckets"
+        assert r["got"] == r["expected"], f"rank {rank}: state_memory() {r['got']} != {r['expected']}"
+
+
+def test_muon_precision_aware_momentum_is_bf16(pools):
+    """use_precision_aware_optimizer with exp_avg_dtype=bf16: 2-byte momentum and AdamW exp_avg."""
+    for rank, r in enumerate(pools(2).run(cases_muon_memory.memory, precision_aware=True, timeout=TIMEOUT)):
+        assert r["success"], f"rank {rank}: the step failed"
+        assert r["got"] == r["expected"], f"rank {rank}: state_memory() {r['got']} != {r['expected']}"
