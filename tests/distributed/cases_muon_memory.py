@@ -39,7 +39,9 @@ def memory(precision_aware: bool = False, bucket_size: int = 600) -> dict:
     moment = 2 if precision_aware else 4  # exp_avg_dtype: the Muon momentum and AdamW's exp_avg
     expected: dict[str, dict[str, int]] = {}
     for name, (n, muon) in owned_elements(ddp).items():
-        expected.setdefault("master", {})[name] = 4 * n  # one fp32 master per owned element
+        # One master per owned element: fp32, except AdamW's precision-aware default
+        # (store_param_remainders=True): the bf16 param plus an int16 remainder. Muon's stay fp32.
+        expected.setdefault("master", {})[name] = (2 if precision_aware and not muon else 4) * n
         states = {"momentum_buffer": moment} if muon else {"exp_avg": moment, "exp_avg_sq": 4}
         for state, size in states.items():
             expected.setdefault(state, {})[name] = size * n

@@ -25,3 +25,15 @@ def test_muon_precision_aware_momentum_is_bf16(pools):
     for rank, r in enumerate(pools(2).run(cases_muon_memory.memory, precision_aware=True, timeout=TIMEOUT)):
         assert r["success"], f"rank {rank}: the step failed"
         assert r["got"] == r["expected"], f"rank {rank}: state_memory() {r['got']} != {r['expected']}"
+
+
+def test_muon_bf16_momentum_matches_float64_reference(pools):
+    """bf16 params with a bf16 momentum_buffer against the float64 reference (fp32 state): the bounds
+    of test_muon.py's bf16 case. Each step rounds the momentum once to bf16 (2^-9 relative), so after
+    3 steps it is within ~3 * 2^-9 = 6e-3 of its fp32 value, below the bf16 grads' own error (the
+    momentum bound 3e-2); the update direction is computed before that rounding and moves the params
+    by the same Newton-Schulz bound."""
+    from tests.distributed import cases_muon
+    from tests.distributed.test_muon import BF16, TIMEOUT as TRAIN_TIMEOUT, _check
+
+    _check(pools(3).run(cases_muon.train, "bf16", 3, precision_aware=True, timeout=TRAIN_TIMEOUT), BF16, 3)
