@@ -120,6 +120,9 @@ def gather_main_params(store: ShardStore) -> dict[str, torch.Tensor]:
     for src in store.sources:
         out.update(assemble_full_tensors(src.local_shards(store.is_expert_parallel),
                                          lambda shard, src=src: master_of(src, shard)))
+    if store.selects is not None:  # the other store's params come back as zeros: they are not ours to report
+        mine = {name for name, _ in store.managed_params().values()}
+        out = {name: t for name, t in out.items() if name in mine}
     return out
 
 

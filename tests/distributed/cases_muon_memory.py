@@ -49,5 +49,11 @@ def memory(precision_aware: bool = False, bucket_size: int = 600) -> dict:
     cases_muon._loss(ddp, *cases_muon.batch(0, dist.get_rank())).backward()
     success, _, _ = opt.step()
     ddp.finish_param_sync()
-    return {"got": opt.state_memory(), "expected": expected, "success": bool(success),
+    # The masters, assembled from every rank's runs (each at its place in its shard), are the params
+    # before their rounding to bf16: within a bf16 ulp of them (2^-7 relative; remainders truncate), none missing.
+    masters = opt.gather_main_params()
+    off = {n: float(((masters[n] - p.float()).abs() - p.float().abs() * 2.0 ** -7).max())
+           for n, p in model.named_parameters()}
+    return {"got": opt.state_memory(), "expected": expected, "success": bool(success), "masters_off": off,
+            "master_names": sorted(masters),
             "shards": len(ddp.local_shards()), "owned": sum(n for n, _ in owned_elements(ddp).values())}

@@ -18,6 +18,8 @@ def test_muon_state_bytes_are_one_master_and_one_rule_state_per_owned_element(po
         assert r["success"], f"rank {rank}: the step failed"
         assert r["shards"] > 1, "the case needs several buckets"
         assert r["got"] == r["expected"], f"rank {rank}: state_memory() {r['got']} != {r['expected']}"
+        assert r["master_names"] == sorted(r["masters_off"]), "gather_main_params() misses params"
+        assert max(r["masters_off"].values()) <= 0, f"rank {rank}: masters off their params {r['masters_off']}"
 
 
 def test_muon_precision_aware_momentum_is_bf16(pools):
