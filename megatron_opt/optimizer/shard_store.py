@@ -25,8 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed.layout import ShardPiece
-from ..distributed.shard_view import GradSource, LocalShard, with_tensor_parallel_rank
+from ..distributed.shard_view import GradSource, LocalShard, ShardPiece, with_tensor_parallel_rank
 from ..ops import precision
 from ..ops.piece_table import PieceTable
 from .param_groups import group_weight_decay
