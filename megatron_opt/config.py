@@ -246,11 +246,24 @@ class OptimizerConfig:
         if self.muon_tp_mode not in TP_MODES:
             raise InvalidConfigError(f"OptimizerConfig.muon_tp_mode={self.muon_tp_mode!r}: use one of {TP_MODES}.")
         Muon.from_config(self)  # the rule checks its own constants
-        for name, why in (("use_precision_aware_optimizer", "16-bit Muon state and masters are not implemented yet"),
-                          ("optimizer_cuda_graph", "the Muon exchange is not captured in a CUDA graph yet"),
-                          ("fp16", "megatron-core refuses fp16 with Muon too; use bf16")):
+        for name, why in (("optimizer_cuda_graph", "the Muon exchange is not captured in a CUDA graph yet"),
+                          ("fp16", "megatron-core refuses fp16 with Muon too; use bf16"),
+                          ("stochastic_rounding", "Muon's momentum_buffer rounds to nearest (stochastic rounding "
+                                                  "is implemented for AdamW's moments only); leave it False")):
             if getattr(self, name):
                 raise UnsupportedConfigError(f"OptimizerConfig.{name}=True with optimizer={self.optimizer!r}: {why}.")
+        # The precision-aware optimizer: exp_avg_dtype stores Muon's momentum_buffer (the first moment,
+        # the same EMA of the gradients as AdamW's exp_avg) and AdamW's exp_avg; exp_avg_sq_dtype and
+        # store_param_remainders apply to the AdamW params; Muon's masters stay fp32.
+        if self.exp_avg_dtype not in (torch.float32, torch.bfloat16):
+            raise UnsupportedConfigError(
+                f"OptimizerConfig.exp_avg_dtype={self.exp_avg_dtype} with optimizer={self.optimizer!r}: it stores "
+                f"Muon's momentum_buffer, implemented in torch.float32 or torch.bfloat16; use one of those.")
+        if self.main_params_dtype != torch.float32:
+            raise UnsupportedConfigError(
+                f"OptimizerConfig.main_params_dtype={self.main_params_dtype} with optimizer={self.optimizer!r}: "
+                f"Muon keeps fp32 masters (16-bit masters are implemented for AdamW only); leave main_params_dtype "
+                f"at torch.float32.")
 
     def _check_precision_aware(self) -> None:
         """Megatron-LM's precision-aware optimizer: 16-bit moments and masters, only when asked for."""
@@ -264,9 +277,9 @@ class OptimizerConfig:
             if value != torch.float32 and not self.use_precision_aware_optimizer:
                 raise InvalidConfigError(f"{owner}.{name}={value} needs use_precision_aware_optimizer=True (as in "
                                          f"Megatron-LM); set it, or leave {name} at torch.float32.")
-        if self.use_precision_aware_optimizer and self.optimizer != "adam":
-            raise UnsupportedConfigError(f"{owner}.use_precision_aware_optimizer=True supports optimizer='adam' only "
-                                         f"(got {self.optimizer!r}), as in Megatron-LM.")
+        if self.use_precision_aware_optimizer and self.optimizer not in ("adam", "muon", "dist_muon"):
+            raise UnsupportedConfigError(f"{owner}.use_precision_aware_optimizer=True supports optimizer='adam' "
+                                         f"(as in Megatron-LM) and 'muon' only (got {self.optimizer!r}).")
         if self.stochastic_rounding and (not self.use_precision_aware_optimizer or torch.bfloat16 not in
                                          (self.exp_avg_dtype, self.exp_avg_sq_dtype)):
             raise InvalidConfigError(f"{owner}.stochastic_rounding=True rounds bf16 moments; it needs "
@@ -284,7 +297,7 @@ class OptimizerConfig:
         """Masters of bf16 params kept as the bf16 param plus a 16-bit remainder (Megatron-LM's
         store_param_remainders): only with the precision-aware optimizer and fp32 main params."""
         return bool(self.use_precision_aware_optimizer and self.store_param_remainders
-                    and self.main_params_dtype == torch.float32)
+                    and self.main_params_dtype == torch.float32 and self.optimizer == "adam")  # Muon: fp32 masters
 
     def _check_ranges(self) -> None:
         """Reject values torch.optim would reject, and those that silently train wrong (like torch.optim,

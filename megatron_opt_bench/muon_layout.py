@@ -16,6 +16,12 @@ sends (DP-1)/DP * B elements from every rank, padding included):
   Muon           the same + every non-home owner's piece of the update to the home and the orthogonalised
                  slice back, fp32 (``traffic_elements``)
 
+Per-rank optimizer memory (``state_bytes_per_rank``): AdamW ZeRO-1 keeps, per bucket shard a rank owns
+pieces of, a master over the whole shard (fp32 for 16-bit params; none for fp32 params, whose master is the
+param) and exp_avg + exp_avg_sq (fp32); Muon keeps the same master per owned element, the momentum_buffer
+(fp32, or bf16 with the precision-aware optimizer) on the Muon matrices' elements and AdamW's two moments on
+the rest, nothing for padding (optimizer/shard_store.py). The rows give the rank with most of each.
+
 ``ratio`` is Muon / AdamW summed over the ranks; ``busiest`` is the same for the rank that sends most (AdamW
 sends the same from every rank). ``NS max/mean`` is the summed Newton-Schulz cost (``placement_cost``) of the
 busiest home over the mean. ``--homes largest-owner`` is the alternative the table compares with: each matrix
@@ -69,6 +75,9 @@ class LayoutRow:
     muon_extra_bytes: int  # summed over the ranks
     ratio: float
     busiest_rank_ratio: float
+    adamw_state_bytes: int = 0  # per-rank optimizer memory (masters + rule state), the rank with most
+    muon_state_bytes: int = 0  # the same for Muon + AdamW, fp32 momentum
+    muon_bf16_momentum_state_bytes: int = 0  # the same with a bf16 momentum_buffer (precision-aware)
 
 
 def buffer_layout(params: Sequence[GptParam], dp: int, grad_reduce_in_fp32: bool) -> tuple[BufferLayout, Optional[int]]:
@@ -124,6 +133,23 @@ def muon_sends_per_rank(placements: Sequence[MatrixPlacement], homes: Sequence[i
     return sent
 
 
+def state_bytes_per_rank(params: Sequence[GptParam], layout: BufferLayout, param_bytes: int,
+                         momentum_bytes: int = 4) -> tuple[list[int], list[int]]:
+    """(AdamW ZeRO-1, Muon) optimizer bytes per rank: masters and rule state (module docstring)."""
+    master = 0 if param_bytes == 4 else 4  # fp32 params are their own masters
+    dp = layout.shard_count
+    adamw, muon = [0] * dp, [0] * dp
+    for bucket in layout.buckets:
+        for rank in range(dp):
+            pieces = layout.shard_pieces(bucket.index, rank)
+            if pieces:
+                adamw[rank] += (bucket.range.size // dp) * (master + 8)
+            for piece in pieces:
+                rule = momentum_bytes if is_muon_matrix(params[piece.param_index]) else 8
+                muon[rank] += piece.param_range.size * (master + rule)
+    return adamw, muon
+
+
 def layout_row(model: str, shape: GptShape, dtype: str, dp: int, split_qkv: bool, homes_policy: str = "balanced",
                steps: int = 5) -> LayoutRow:
     param_bytes, grad_bytes = DTYPES[dtype]
@@ -143,6 +169,8 @@ def layout_row(model: str, shape: GptShape, dtype: str, dp: int, split_qkv: bool
     adamw = per_rank * dp
     extra = sum(sends) * MUON_BYTES
     mean_cost = sum(costs) / dp
+    adamw_state, muon_state = state_bytes_per_rank(params, layout, param_bytes)
+    _, muon_bf16_state = state_bytes_per_rank(params, layout, param_bytes, momentum_bytes=2)
     return LayoutRow(
         model=model, params=sum(p.numel for p in params), dtype=dtype, dp=dp, bucket_size=bucket_size,
         buckets=len(layout.buckets), split_qkv=split_qkv, homes=homes_policy, muon_matrices=len(placements),
@@ -151,6 +179,8 @@ def layout_row(model: str, shape: GptShape, dtype: str, dp: int, split_qkv: bool
         adamw_bytes=adamw, muon_extra_bytes=extra,
         ratio=(adamw + extra) / adamw if adamw else float("inf"),
         busiest_rank_ratio=(per_rank + max(sends) * MUON_BYTES) / per_rank if per_rank else float("inf"),
+        adamw_state_bytes=max(adamw_state), muon_state_bytes=max(muon_state),
+        muon_bf16_momentum_state_bytes=max(muon_bf16_state),
     )
 
 
@@ -163,6 +193,23 @@ def markdown_table(rows: Sequence[LayoutRow]) -> str:
             f"| {r.model} | {r.params / 1e9:.3f}B | {r.dtype} | {r.dp} | {r.buckets} | {'yes' if r.split_qkv else 'no'} "
             f"| {r.homes} | {r.muon_matrices} | {r.straddling} | {r.ns_max_over_mean:.3f} | {r.adamw_bytes / 1e6:,.1f} "
             f"| {r.muon_extra_bytes / 1e6:,.1f} | {r.ratio:.3f} | {r.busiest_rank_ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def memory_table(rows: Sequence[LayoutRow]) -> str:
+    """Per-rank optimizer memory (masters + rule state, the rank with most) of the rows."""
+    head = ("| model | dtype | DP | AdamW ZeRO-1 MB/rank | Muon MB/rank | Muon / AdamW "
+            "| Muon, bf16 momentum MB/rank | Muon bf16 / AdamW |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    seen = set()
+    for r in rows:
+        if (r.model, r.dtype, r.dp) in seen:  # the QKV split and the homes change no memory
+            continue
+        seen.add((r.model, r.dtype, r.dp))
+        lines.append(
+            f"| {r.model} | {r.dtype} | {r.dp} | {r.adamw_state_bytes / 1e6:,.1f} | {r.muon_state_bytes / 1e6:,.1f} "
+            f"| {r.muon_state_bytes / r.adamw_state_bytes:.3f} | {r.muon_bf16_momentum_state_bytes / 1e6:,.1f} "
+            f"| {r.muon_bf16_momentum_state_bytes / r.adamw_state_bytes:.3f} |")
     return "\n".join(lines)
 
 
@@ -224,6 +271,8 @@ def main(argv=None) -> int:
             for model in args.models for dtype in args.dtypes for split in args.split_qkv
             for homes in args.homes for dp in args.dp]
     print(markdown_table(rows))
+    print()
+    print(memory_table(rows))
     if args.json:
         report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": " ".join(["scripts/bench_muon_layout.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -233,4 +282,5 @@ def main(argv=None) -> int:
     return 0
 
 
-__all__ = ["LayoutRow", "buffer_layout", "layout_row", "main", "markdown_table", "muon_placements", "owned_elements"]
+__all__ = ["LayoutRow", "buffer_layout", "layout_row", "main", "markdown_table", "memory_table", "muon_placements",
+           "owned_elements", "state_bytes_per_rank"]

@@ -149,6 +149,9 @@ class OptimizerLeaf:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return state_access.state_tensors(self.store)
 
+    def state_bytes(self) -> list[tuple[GradSource, str, str, int]]:
+        return state_access.state_bytes(self.store)
+
     def per_param_state(self) -> dict[torch.Tensor, dict[str, Any]]:
         return state_access.per_param_state(self.store)
 

@@ -15,10 +15,10 @@ from ..errors import StepOrderError, UnsupportedConfigError
 from . import state_dict as optimizer_state_dict
 from .grad_scaler import MegatronGradScaler
 from .leaf import OptimizerLeaf
-from .state_access import PieceState
+from .state_access import GAPS, PieceState
 from .step_driver import SkipReason, StepDriver, StepState
 from .verify import VerifyReport
-from .state_view import LeafView
+from .state_view import LeafView, param_key
 
 
 class MegatronOptimizer:
@@ -140,6 +140,20 @@ class MegatronOptimizer:
         leaves = self._leaves()
         return {f"{i}.{k}" if len(leaves) > 1 else k: v
                 for i, leaf in enumerate(leaves) for k, v in leaf.state_tensors().items()}
+
+    def state_memory(self) -> dict[str, dict[str, int]]:
+        """This rank's optimizer memory: {state name ('master', 'exp_avg', 'momentum_buffer', ...):
+        {param key (as in state_dict() and checkpoints): bytes}}, plus the key state_access.GAPS for
+        allocated elements that no param covers. Masters that are the fp32 params themselves count 0."""
+        chunks = self.model_chunks
+        out: dict[str, dict[str, int]] = {}
+        for leaf in self._leaves():
+            for source, name, state, nbytes in leaf.state_bytes():
+                key = name if name == GAPS else param_key(next(i for i, c in enumerate(chunks) if c is source),
+                                                          name, len(chunks))
+                per_key = out.setdefault(state, {})
+                per_key[key] = per_key.get(key, 0) + nbytes
+        return out
 
     def gather_main_params(self) -> dict[str, torch.Tensor]:
         """Every trainable param's fp32 master by name, in its shape, identical on all ranks.

@@ -9,6 +9,11 @@ For each ``LocalShard`` (this rank's range of one bucket) that holds pieces, an 
     elements only;
   * a PieceTable: where each param piece lies, whether it counts in the norm, its param group;
   * per piece, the view of the master that ``param_groups`` hold.
+A store with ``selects`` (Muon's split of one buffer between two stores) holds one OwnedShard per
+maximal contiguous run of selected pieces: ``shard`` is then the published shard NARROWED to the run
+(grad and param views over it, piece shard ranges re-based to it, ``offset`` where it starts), so
+masters and rule state exist for the selected elements only and every consumer (kernels, verify,
+state access) keeps reading ``shard_range`` in the OwnedShard's own coordinates.
 Every tensor in ``param_groups`` is a leaf view of a master (docs/contract.md rule 6). The store
 allocates and describes; it runs nothing (the leaf steps it, state_access reads and writes it).
 """
@@ -20,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed.shard_view import GradSource, LocalShard, with_tensor_parallel_rank
+from ..distributed.shard_view import GradSource, LocalShard, ShardPiece, with_tensor_parallel_rank
 from ..ops import precision
 from ..ops.piece_table import PieceTable
 from .param_groups import group_weight_decay
@@ -41,6 +46,7 @@ class OwnedShard:
     param_out: Optional[torch.Tensor]  # None when master aliases the fp32 param buffer
     state: dict[str, torch.Tensor]  # the update rule's tensors, by name
     main_params: tuple[torch.Tensor, ...]  # per piece: the leaf view of master in param_groups
+    offset: int = 0  # where ``shard`` starts in the published shard (a narrowed run with ``selects``)
 
 
 class ShardStore:
@@ -112,39 +118,42 @@ class ShardStore:
 
     def _build_shards(self, tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> list[OwnedShard]:
         shards = []
-        for source, shard in self.published:
-            if not shard.pieces:
-                continue
-            params = [shard.params[pc.param_index] for pc in shard.pieces]
-            role = with_tensor_parallel_rank(shard.stats_role, tensor_parallel_group)
-            table = PieceTable(
-                starts=tuple(pc.shard_range.start for pc in shard.pieces),
-                ends=tuple(pc.shard_range.end for pc in shard.pieces),
-                in_norm=tuple(role.counts_in_norm(p) for p in params),
-                group=tuple(self._group_of[id(p)] for p in params),
-                numel=shard.numel,
-            )
-            master, param_out = self._new_master(shard.param)
-            # What param_groups hold: views of the master; with remainders (int16, not a value) views
-            # of the bf16 param shard, which is the master rounded.
-            main_source = shard.param.detach() if precision.is_remainder(master) else master
-            mains = []
-            for pc, p in zip(shard.pieces, params):
-                main = main_source[pc.shard_range.start : pc.shard_range.end]  # a leaf: no autograd history
-                for attr in _PARALLEL_ATTRS:
-                    if hasattr(p, attr):
-                        setattr(main, attr, getattr(p, attr))
-                p.main_param, p.main_param_sharded = main, True
-                self.param_groups[self._group_of[id(p)]]["params"].append(main)
-                mains.append(main)
-            shards.append(OwnedShard(shard, source, table, master, param_out, self.rule.init_state(master),
-                                     tuple(mains)))
+        for source, published in self.published:
+            for offset, shard in _owned_views(published, whole=self.selects is None):
+                shards.append(self._owned_shard(source, shard, offset, tensor_parallel_group))
         owned = {id(s.shard.params[pc.param_index]) for s in shards for pc in s.shard.pieces}
         # (with ``selects``, another store holds the other params: leave their main_param alone)
         for _, p in self.managed_params().values():
             if id(p) not in owned:
                 p.main_param, p.main_param_sharded = None, True
         return shards
+
+    def _owned_shard(self, source: GradSource, shard: LocalShard, offset: int,
+                     tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> OwnedShard:
+        params = [shard.params[pc.param_index] for pc in shard.pieces]
+        role = with_tensor_parallel_rank(shard.stats_role, tensor_parallel_group)
+        table = PieceTable(
+            starts=tuple(pc.shard_range.start for pc in shard.pieces),
+            ends=tuple(pc.shard_range.end for pc in shard.pieces),
+            in_norm=tuple(role.counts_in_norm(p) for p in params),
+            group=tuple(self._group_of[id(p)] for p in params),
+            numel=shard.numel,
+        )
+        master, param_out = self._new_master(shard.param)
+        # What param_groups hold: views of the master; with remainders (int16, not a value) views
+        # of the bf16 param shard, which is the master rounded.
+        main_source = shard.param.detach() if precision.is_remainder(master) else master
+        mains = []
+        for pc, p in zip(shard.pieces, params):
+            main = main_source[pc.shard_range.start : pc.shard_range.end]  # a leaf: no autograd history
+            for attr in _PARALLEL_ATTRS:
+                if hasattr(p, attr):
+                    setattr(main, attr, getattr(p, attr))
+            p.main_param, p.main_param_sharded = main, True
+            self.param_groups[self._group_of[id(p)]]["params"].append(main)
+            mains.append(main)
+        return OwnedShard(shard, source, table, master, param_out, self.rule.init_state(master), tuple(mains),
+                          offset)
 
     def _new_master(self, param: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(master, param_out) for a param shard. fp32 params: the param itself (updates land in the
@@ -160,6 +169,31 @@ class ShardStore:
 def _restricted(shard: LocalShard, selects: Callable[[torch.nn.Parameter], bool]) -> LocalShard:
     """``shard`` with only the pieces of the params ``selects`` keeps (the same flat views)."""
     return dataclasses.replace(shard, pieces=tuple(pc for pc in shard.pieces if selects(shard.params[pc.param_index])))
+
+
+def _owned_views(shard: LocalShard, whole: bool) -> list[tuple[int, LocalShard]]:
+    """(offset, view) of what a store owns of ``shard``: the whole shard (``whole``: a store without
+    ``selects``, gaps and padding included, as always), else one narrowed view per maximal run of
+    pieces that touch each other, so a piece's neighbours from the other store, and the padding between
+    pieces, get no master and no state here."""
+    if not shard.pieces:
+        return []
+    if whole:
+        return [(0, shard)]
+    runs: list[list] = []
+    for pc in shard.pieces:
+        if runs and runs[-1][-1].shard_range.end == pc.shard_range.start:
+            runs[-1].append(pc)
+        else:
+            runs.append([pc])
+    return [(run[0].shard_range.start, _narrowed(shard, run)) for run in runs]
+
+
+def _narrowed(shard: LocalShard, run: Sequence[ShardPiece]) -> LocalShard:
+    """``shard`` over [first piece start, last piece end) only, its pieces' shard ranges re-based to it."""
+    lo, hi = run[0].shard_range.start, run[-1].shard_range.end
+    pieces = tuple(dataclasses.replace(pc, shard_range=pc.shard_range.shift(-lo)) for pc in run)
+    return dataclasses.replace(shard, grad=shard.grad[lo:hi], param=shard.param[lo:hi], pieces=pieces)
 
 
 def master_values(s: OwnedShard) -> torch.Tensor:

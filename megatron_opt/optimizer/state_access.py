@@ -70,6 +70,26 @@ def state_tensors(store: ShardStore) -> dict[str, torch.Tensor]:
     return out
 
 
+GAPS = "(gaps)"  # state_bytes' name for allocated elements no piece covers (bucket padding inside a shard)
+
+
+def state_bytes(store: ShardStore) -> list[tuple[GradSource, str, str, int]]:
+    """What this rank's optimizer state occupies: (model chunk, param name or GAPS, state name, bytes)
+    per owned piece and state tensor ('master' and the update rule's). A master that IS the fp32 param
+    buffer (fp32 params) costs nothing beyond the model and counts 0 bytes."""
+    out = []
+    for s in store.shards:
+        tensors = {"master": s.master, **s.state}
+        covered = sum(pc.shard_range.size for pc in s.shard.pieces)
+        for state, t in tensors.items():
+            size = 0 if state == "master" and s.param_out is None else t.element_size()
+            for pc in s.shard.pieces:
+                out.append((s.source, s.shard.names[pc.param_index], state, pc.shard_range.size * size))
+            if s.shard.numel > covered:
+                out.append((s.source, GAPS, state, (s.shard.numel - covered) * size))
+    return out
+
+
 def per_param_state(store: ShardStore) -> dict[torch.Tensor, dict[str, Any]]:
     """Per main param: views of the flat optimizer state, as torch.optim exposes it."""
     out = {}
@@ -83,16 +103,26 @@ def per_param_state(store: ShardStore) -> dict[torch.Tensor, dict[str, Any]]:
 
 def gather_main_params(store: ShardStore) -> dict[str, torch.Tensor]:
     """Every param's fp32 master by name, assembled from all ranks (a collective over the DP group)."""
-    masters = {(id(s.source), s.shard.buffer_index, s.shard.bucket_index): master_values(s) for s in store.shards}
+    owned: dict[tuple, list] = {}
+    for s in store.shards:  # with ``selects`` a published shard may have several (narrowed) OwnedShards
+        owned.setdefault((id(s.source), s.shard.buffer_index, s.shard.bucket_index), []).append(s)
 
     def master_of(src: GradSource, shard: LocalShard) -> torch.Tensor:
-        key = (id(src), shard.buffer_index, shard.bucket_index)
-        return masters.get(key, torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device))
+        runs = owned.get((id(src), shard.buffer_index, shard.bucket_index), [])
+        if len(runs) == 1 and runs[0].offset == 0 and runs[0].shard.numel == shard.numel:
+            return master_values(runs[0])  # the whole shard (every store without ``selects``)
+        flat = torch.zeros(shard.numel, dtype=torch.float32, device=shard.grad.device)
+        for s in runs:
+            flat[s.offset : s.offset + s.shard.numel].copy_(master_values(s))
+        return flat
 
     out: dict[str, torch.Tensor] = {}
     for src in store.sources:
         out.update(assemble_full_tensors(src.local_shards(store.is_expert_parallel),
                                          lambda shard, src=src: master_of(src, shard)))
+    if store.selects is not None:  # the other store's params come back as zeros: they are not ours to report
+        mine = {name for name, _ in store.managed_params().values()}
+        out = {name: t for name, t in out.items() if name in mine}
     return out
 
 
@@ -115,5 +145,5 @@ def reload_model_params(store: ShardStore) -> None:
             s.master.copy_(s.param_out)
 
 
-__all__ = ["PieceState", "piece_states", "state_tensors", "per_param_state", "gather_main_params",
+__all__ = ["GAPS", "PieceState", "piece_states", "state_bytes", "state_tensors", "per_param_state", "gather_main_params",
            "round_masters_into_params", "reload_model_params"]

@@ -36,8 +36,8 @@ class WholeTensorLeaf(OptimizerLeaf):
             raise UnsupportedConfigError(f"the whole-tensor stage runs Muon only, not {type(rule).__name__}.")
         for s in store.shards:
             if s.master.dtype != torch.float32:
-                raise UnsupportedConfigError("Muon needs fp32 masters (use_precision_aware_optimizer is not "
-                                             "implemented for Muon yet).")
+                raise UnsupportedConfigError(f"Muon keeps fp32 masters, not {s.master.dtype}: leave "
+                                             f"main_params_dtype at torch.float32 (and param remainders off).")
         chunk_of = {id(src): i for i, src in enumerate(store.sources)}
         self._chunk_of = chunk_of
         managed = store.managed_params()
@@ -65,8 +65,13 @@ class WholeTensorLeaf(OptimizerLeaf):
             buf = s.state["momentum_buffer"]
             for pc in s.shard.pieces:
                 a, b = pc.shard_range.start, pc.shard_range.end
+                # A 16-bit momentum (precision-aware) is widened, updated in fp32 and rounded once on
+                # store; U comes from the fp32 value, as verify mode's float64 recomputation assumes.
+                work = buf[a:b] if buf.dtype == torch.float32 else buf[a:b].float()
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
-                    rule.momentum_direction(s.shard.grad[a:b], scale, buf[a:b])
+                    rule.momentum_direction(s.shard.grad[a:b], scale, work)
+                if buf.dtype != torch.float32:
+                    buf[a:b].copy_(work)
         self._directions = directions
 
     def finish_update(self) -> None:

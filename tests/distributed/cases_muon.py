@@ -79,7 +79,8 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,
           split_qkv: bool = True, scale_mode: str = "spectral", extra_scale: float = 1.0,
           inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False,
-          bucket_size: Optional[int] = None, distributed: bool = True, verify: bool = False) -> dict:
+          bucket_size: Optional[int] = None, distributed: bool = True, verify: bool = False,
+          precision_aware: bool = False) -> dict:
     """Train MuonNet ``steps`` steps at this world size; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -99,7 +100,9 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
     cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
                              use_distributed_optimizer=distributed, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
                              muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
-                             muon_fp32_matmul_prec=matmul_prec, verify_interval=1 if verify else 0)
+                             muon_fp32_matmul_prec=matmul_prec, verify_interval=1 if verify else 0,
+                             **(dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16)
+                                if precision_aware else {}))
     opt = mo.get_megatron_optimizer(cfg, ddp)
     reference = rm.reference_muon(ref, lr, weight_decay, split_shapes=SPLIT, nesterov=nesterov,
                                   split_qkv=split_qkv, scale_mode=scale_mode, extra_scale_factor=extra_scale)

@@ -27,7 +27,9 @@ def test_tiny_gpt_against_a_hand_count(tmp_path):
     proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--split-qkv", "no,yes", "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.startswith("| model | params |") and proc.stdout.count("\n| custom |") == 2
+    # two rows of bytes per step, then one of memory (the QKV split changes no memory)
+    assert proc.stdout.startswith("| model | params |") and proc.stdout.count("\n| custom |") == 3
+    assert "| model | dtype | DP | AdamW ZeRO-1 MB/rank |" in proc.stdout
     report = json.loads(out.read_text())
     assert report["date"] and report["command"].startswith("scripts/bench_muon_layout.py")
     unsplit, split = report["rows"]
@@ -57,6 +59,15 @@ def test_tiny_gpt_against_a_hand_count(tmp_path):
     rank1 = 3 * ns(64, 64) + ns(64, 64)
     assert math.isclose(split["ns_max_over_mean"], rank0 / ((rank0 + rank1) / 2))  # 1.2
 
+    # Optimizer memory per rank, bf16 params. AdamW ZeRO-1: an fp32 master and two fp32 moments over each whole
+    # 28800-element shard. Muon: a master per owned element, the momentum (fp32; bf16 precision-aware) on the
+    # matrices, AdamW's moments on the rest. Rank 0 owns final norm 64, fc2 16384, fc1 12352 (no padding);
+    # rank 1 owns fc1 4032, pre-MLP norm 64, qkv 12288, proj 4096, input norm 64, embedding 8192 (64 padding).
+    assert unsplit["adamw_state_bytes"] == 28800 * (4 + 8) == 345600
+    rank0, rank1 = 64 * 12 + (16384 + 12352) * 8, (4032 + 12288 + 4096) * 8 + (64 + 64 + 8192) * 12
+    assert unsplit["muon_state_bytes"] == max(rank0, rank1) == 263168
+    assert unsplit["muon_bf16_momentum_state_bytes"] == (4032 + 12288 + 4096) * 6 + (64 + 64 + 8192) * 12 == 222336
+
 
 @pytest.mark.parametrize("split_qkv", [True, False])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -67,6 +78,8 @@ def test_issue_bounds_on_a_24_layer_gpt_at_dp8(dtype, split_qkv):
     assert row.params == 24 * 50_358_272 + 50304 * 2048 + 2048 * 2048 + 2 * 2048
     assert row.muon_matrices == 97 and row.straddling == 72
     assert row.ratio <= 1.25 and row.ns_max_over_mean <= 1.25, row
+    # memory: one master per element and one momentum (not two moments) on the 91% that are Muon matrices
+    assert row.muon_state_bytes < 0.7 * row.adamw_state_bytes, row
 
 
 def test_bad_arguments_name_the_problem():

@@ -102,6 +102,8 @@ class Muon(UpdateRule):
     split_qkv: bool = True
     fp32_matmul_prec: str = "medium"
     tp_mode: str = "blockwise"
+    # momentum_buffer's storage: fp32, or bf16 with the precision-aware optimizer (OptimizerConfig.exp_avg_dtype)
+    momentum_dtype: torch.dtype = torch.float32
     name: ClassVar[str] = "muon"
     needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
 
@@ -126,10 +128,15 @@ class Muon(UpdateRule):
         return cls(momentum=config.muon_momentum, nesterov=config.muon_nesterov, num_ns_steps=config.muon_num_ns_steps,
                    scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
                    split_qkv=config.muon_split_qkv, fp32_matmul_prec=config.muon_fp32_matmul_prec,
-                   tp_mode=config.muon_tp_mode)
+                   tp_mode=config.muon_tp_mode,
+                   momentum_dtype=(config.exp_avg_dtype if getattr(config, "use_precision_aware_optimizer", False)
+                                   else torch.float32))
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
-        return {"momentum_buffer": torch.float32}
+        return {"momentum_buffer": self.momentum_dtype}
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in super().hyperparameters().items()}
 
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
