@@ -18,6 +18,7 @@ import torch
 
 from tests.mcore import mcore_cpu  # noqa: F401  (patches megatron-core for CPU only inside its context manager)
 from tests.mcore import cases_stock
+from tests.support import megatron_lm_configs as recorded
 
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig
 import megatron.core.optimizer as core_optimizer
@@ -68,6 +69,29 @@ def test_stock_megatron_lm_configs_train_like_megatron_core(pools, launch):
     assert torch.equal(ours[0]["params"], ours[1]["params"]), "data-parallel replicas differ"
 
 
+def test_megatron_lm_main_muon_flags_train_megatron_opts_sharded_muon_like_megatron_cores_muon(pools):
+    """Megatron-LM main's --optimizer muon --use-distributed-optimizer --overlap-grad-reduce
+    --overlap-param-gather as its get_model and optimizer setup see them (use_layer_wise_distributed_optimizer,
+    the DDP forced to the distributed optimizer, LayerWise's param layout) train megatron_opt's sharded Muon
+    through install() like megatron-core's own (non-distributed) Muon, fp32 Newton-Schulz: params, losses,
+    grad norms to fp32 reduction order. The QKV weights must be tagged as megatron-core tags them
+    (install()'s get_megatron_optimizer), or megatron_opt refuses to guess their split."""
+    if recorded.installed_label() != "main-d98e8a64":
+        pytest.skip("Megatron-LM main's Muon flags need megatron-core >= 0.17 (installed: core_v0.16.1's generation, "
+                    "whose Megatron-LM refuses Muon with the distributed optimizer)")
+    core = pools(2).run(cases_stock.run_stock, "stock", CORE, muon=True)
+    ours = pools(2).run(cases_stock.run_stock, "stock", OURS, muon=True)
+    assert {r["optimizer_module"].split(".")[0] for r in ours} == {"megatron_opt"}, ours[0]["optimizer_module"]
+    for rank, (a, b) in enumerate(zip(ours, core)):
+        for step, (mine, theirs) in enumerate(zip(a["steps"], b["steps"])):
+            assert mine[0] and theirs[0], f"rank {rank} step {step} skipped: {mine} {theirs}"
+            assert mine[1] == pytest.approx(theirs[1], rel=1e-6), f"grad norm, step {step}"
+        assert a["losses"] == pytest.approx(b["losses"], abs=1e-6)
+        difference = float((a["params"] - b["params"]).abs().max())
+        assert difference <= 1e-6, f"rank {rank}: final params differ by {difference}"
+    assert torch.equal(ours[0]["params"], ours[1]["params"]), "data-parallel replicas differ"
+
+
 # Megatron-LM main's own pretrain_gpt.py (a source tree: MEGATRON_LM_MAIN, default /work/mlm/main) with
 # --optimizer muon --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, through
 # tools/megatron_lm_cpu/compare.py: megatron-core's Muon against megatron_opt's sharded Muon via install().
@@ -82,6 +106,7 @@ def _megatron_lm_muon_missing() -> Optional[str]:
     return None
 
 
+@pytest.mark.slow  # two launches of Megatron-LM (30-120 s); the in-process test above checks the same path
 @pytest.mark.skipif(_megatron_lm_muon_missing() is not None, reason=str(_megatron_lm_muon_missing()))
 def test_megatron_lm_main_pretrain_gpt_muon_sharded_matches_megatron_core(tmp_path):
     """fp32 (--muon-fp32-matmul-prec high: fp32 Newton-Schulz on the CPU): the runs differ by the order of
