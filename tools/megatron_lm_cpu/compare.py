@@ -56,7 +56,8 @@ LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--p
 # Muon (Megatron-LM main only: core_v0.16.1's validate_args refuses Muon with UNDER_TEST's flags). fp32 matmuls
 # in Newton-Schulz ('high' is fp32 on the CPU) so that the two runs differ by rounding order only.
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]
-MUON_LAYOUTS = {"DP2-muon": MUON}
+MUON_LAYOUTS = {"DP2-muon": MUON,
+               "TP2-muon": MUON + ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]}
 # megatron-core's reference for a Muon run: its LayerWiseDistributedOptimizer with UNDER_TEST's flags, except in
 # fp32, where Megatron-LM main d98e8a64's LayerWise chain fails at start-up (ChainedOptimizer asserts one config for
 # LayerWise and its fp32 DistributedOptimizer child): there the reference is its non-distributed Muon.
