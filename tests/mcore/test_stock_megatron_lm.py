@@ -92,6 +92,26 @@ def test_megatron_lm_main_muon_flags_train_megatron_opts_sharded_muon_like_megat
     assert torch.equal(ours[0]["params"], ours[1]["params"]), "data-parallel replicas differ"
 
 
+def test_core_v0161_muon_entry_point_is_refused_with_the_fix():
+    """core_v0.16.1's Megatron-LM builds Muon with get_megatron_muon_optimizer: install() replaces it by an
+    error saying Muon needs Megatron-LM main; later releases keep the name as a shim to get_megatron_optimizer
+    (already megatron_opt's), which install() leaves alone."""
+    import megatron.core.optimizer.muon as core_muon
+    import megatron_opt.megatron
+
+    own = core_muon.get_megatron_muon_optimizer
+    megatron_opt.megatron.install()
+    try:
+        if hasattr(core_muon, "TensorParallelMuon"):  # core_v0.16.1's own Muon builder
+            with pytest.raises(mo.UnsupportedConfigError, match="needs Megatron-LM main"):
+                core_muon.get_megatron_muon_optimizer(None, [])
+        else:
+            assert core_muon.get_megatron_muon_optimizer is own
+    finally:
+        megatron_opt.megatron.uninstall()
+    assert core_muon.get_megatron_muon_optimizer is own
+
+
 # Megatron-LM main's own pretrain_gpt.py (a source tree: MEGATRON_LM_MAIN, default /work/mlm/main) with
 # --optimizer muon --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather, through
 # tools/megatron_lm_cpu/compare.py: megatron-core's Muon against megatron_opt's sharded Muon via install().
