@@ -228,7 +228,8 @@ def main() -> int:
     iters = opts.iters
     model = opts.model.split()
     device_args = NO_FUSED_KERNELS if opts.gpu else CPU_ONLY
-    base = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
+    common = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"])
+    base = common + opts.extra.split()
     tokens_per_iter = int(model[model.index("--global-batch-size") + 1]) * int(model[model.index("--seq-length") + 1])
     all_its = range(1, iters + 1)
     pairs = []
@@ -257,7 +258,8 @@ def main() -> int:
                 report.append(f"{version} {layout:<29} skipped: Megatron-LM core_v0.16.1 refuses Muon with "
                               f"{' '.join(UNDER_TEST[:3])} (Muon through install() needs Megatron-LM main)")
                 continue
-            args = base + (MUON_LAYOUTS[layout] if muon else LAYOUTS[layout])
+            # the layout's flags, then --extra's (last, so that --extra "--muon-tp-mode blockwise" overrides)
+            args = common + (MUON_LAYOUTS[layout] if muon else LAYOUTS[layout]) + opts.extra.split()
             recs = {}
             for megatron_opt in (False, True):
                 extra = []
