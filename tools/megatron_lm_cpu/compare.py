@@ -4,8 +4,9 @@
         [--layouts DP2 TP2 PP2] [--fp32] [--no-resume] [--logs DIR]
         [--gpu] [--nproc N] [--iters N] [--model ARGS] [--launch-timeout S] [--summary PATH]
 
-DP2-muon (Megatron-LM main only) trains ``--optimizer muon --muon-fp32-matmul-prec high`` with the same
-flags: megatron-core's LayerWiseDistributedOptimizer (in fp32 its non-distributed Muon: main d98e8a64's LayerWise
+DP2-muon and TP2-muon (Megatron-LM main only; TP2-muon adds ``--tensor-model-parallel-size 2 --muon-tp-mode
+duplicated``; --extra comes after a layout's flags, so it overrides them) train ``--optimizer muon
+--muon-fp32-matmul-prec high`` with the same flags: megatron-core's LayerWiseDistributedOptimizer (in fp32 its non-distributed Muon: main d98e8a64's LayerWise
 fails at start-up in fp32) against megatron_opt's sharded Muon.
 
 For each Megatron-LM version (a source tree with megatron/, pretrain_gpt.py, gpt_builders.py and
