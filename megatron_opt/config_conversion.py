@@ -52,6 +52,7 @@ def _convert(obj: Any, ours: type, what: str, kind: str) -> Any:
                         f"got {type(obj).__name__}.")
     our_fields = {f.name for f in dataclasses.fields(ours)}
     values: dict[str, Any] = {}
+    sharded_by: Optional[str] = None  # a ShardsOptimizer field set to True
     for field in dataclasses.fields(obj):
         value = getattr(obj, field.name)
         if field.name in our_fields:
@@ -63,12 +64,21 @@ def _convert(obj: Any, ours: type, what: str, kind: str) -> Any:
             continue
         if isinstance(rule, core_config_fields.Inert):
             continue
+        if isinstance(rule, core_config_fields.ShardsOptimizer) and value in (True, False):
+            if value and getattr(obj, "optimizer", None) not in rule.optimizers:
+                raise UnsupportedConfigError(
+                    f"{type(obj).__module__}.{type(obj).__name__}.{field.name}=True with optimizer="
+                    f"{getattr(obj, 'optimizer', None)!r} is not supported by megatron_opt ({rule.reason}).")
+            sharded_by = field.name if value else sharded_by
+            continue
         default = _default_of(field)
         if default is dataclasses.MISSING or not _same(value, default):
             why = rule.reason if rule is not None else "megatron_opt has no such setting"
             raise UnsupportedConfigError(
                 f"{type(obj).__module__}.{type(obj).__name__}.{field.name}={value!r} is not supported by "
                 f"megatron_opt ({why}); leave it at megatron-core's default {default!r}.")
+    if sharded_by is not None:  # megatron-core's own sharding switch: ours is use_distributed_optimizer
+        values["use_distributed_optimizer"] = True
     return ours(**values)  # our __post_init__ checks ranges and rejects unsupported values of shared fields
 
 

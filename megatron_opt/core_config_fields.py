@@ -12,6 +12,9 @@ field gets one of the treatments below, decided here once and for all megatron-c
 - ``Renamed``: an older megatron-core name of one of megatron_opt's fields; its value is converted.
 - ``DefaultOnly``: accepted at megatron-core's default only, refused by name otherwise: another value
   would change the training and megatron_opt does not implement it.
+- ``ShardsOptimizer``: megatron-core's own switch for a sharded optimizer of some optimizers only
+  (``use_layer_wise_distributed_optimizer``: Muon sharded over the data-parallel ranks); True becomes
+  megatron_opt's ``use_distributed_optimizer=True`` for those optimizers and is refused for the others.
 
 A field missing from this table is treated as ``DefaultOnly`` at run time (never silently ignored),
 and ``tests/mcore/test_stock_megatron_lm.py`` fails when the installed megatron-core has a field that
@@ -45,7 +48,16 @@ class Renamed:
     ours: str
 
 
-Treatment = Union[Inert, DefaultOnly, Renamed]
+@dataclass(frozen=True)
+class ShardsOptimizer:
+    """A megatron-core switch that shards ``optimizers``: True means megatron_opt's
+    ``use_distributed_optimizer=True`` for them; with another optimizer only False is accepted (``reason``)."""
+
+    optimizers: tuple[str, ...]
+    reason: str
+
+
+Treatment = Union[Inert, DefaultOnly, Renamed, ShardsOptimizer]
 
 _FSDP = Inert("read only by Megatron-FSDP (use_megatron_fsdp, which megatron_opt refuses)")
 _OFFLOAD = Inert("read only by the CPU-offloaded optimizer (optimizer_cpu_offload, which megatron_opt refuses)")
@@ -94,9 +106,12 @@ OPTIMIZER_FIELDS: dict[str, Treatment] = {
     "soap_shampoo_beta": _SOAP,
     "soap_precondition_frequency": _SOAP,
     "soap_use_kl_shampoo": _SOAP,
-    "use_layer_wise_distributed_optimizer": DefaultOnly(
-        "megatron-core's layer-wise distributed optimizer (for Muon) is not implemented; use "
-        "use_distributed_optimizer=True with optimizer='adam', 'sgd' or 'lion'"),
+    # Megatron-LM main turns --optimizer muon --use-distributed-optimizer (and dist_muon) into this flag with
+    # use_distributed_optimizer=False, and wraps the model with ddp_config.use_distributed_optimizer=True:
+    # for megatron_opt it asks for Muon sharded over the data-parallel ranks (its MatrixExchange homes).
+    "use_layer_wise_distributed_optimizer": ShardsOptimizer(
+        ("muon", "dist_muon"), "megatron-core's layer-wise distributed optimizer is Muon's; for optimizer='adam', "
+        "'sgd' or 'lion' use use_distributed_optimizer=True"),
 }
 
 
@@ -108,4 +123,4 @@ def treatment(kind: str, name: str) -> Treatment | None:
     return table.get(name)
 
 
-__all__ = ["Inert", "DefaultOnly", "Renamed", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]
+__all__ = ["Inert", "DefaultOnly", "Renamed", "ShardsOptimizer", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]

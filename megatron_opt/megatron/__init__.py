@@ -5,7 +5,7 @@
     import megatron_opt.megatron; megatron_opt.megatron.install()
 
 It replaces megatron-core's ``DistributedDataParallel`` and ``get_megatron_optimizer`` with
-megatron_opt's, in megatron-core's own modules and wherever a module already imported them by name
+megatron_opt's (for Muon, after tagging the QKV weights as megatron-core does: muon_call.py), in megatron-core's own modules and wherever a module already imported them by name
 (Megatron-LM's ``megatron/training/training.py`` does ``from megatron.core.distributed import
 DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). It also puts a
 check in front of megatron-core's ``dist_checkpointing.load``: a ``dp_reshardable`` optimizer checkpoint
@@ -33,15 +33,24 @@ def _targets() -> dict[int, Any]:
     import megatron.core.optimizer as core_optimizer
 
     from ..distributed.ddp import DistributedDataParallel
-    from ..optimizer.factory import get_megatron_optimizer
+    from . import muon_call
     from .checked_load import checked
 
     pairs = {
         id(core_ddp.DistributedDataParallel): DistributedDataParallel,
         id(core_distributed.DistributedDataParallel): DistributedDataParallel,
-        id(core_optimizer.get_megatron_optimizer): get_megatron_optimizer,
+        # megatron_opt's, with megatron-core's QKV tagging for Muon first (muon_call.py)
+        id(core_optimizer.get_megatron_optimizer): muon_call.get_megatron_optimizer,
         id(core_dist_checkpointing.load): checked(core_dist_checkpointing.load),
     }
+    try:
+        import megatron.core.optimizer.muon as core_muon
+    except ImportError:  # (emerging-optimizers missing, or a release without the module)
+        core_muon = None
+    # core_v0.16.1's own Muon builder (its module defines TensorParallelMuon) gets a clear error; later
+    # releases keep the name as a shim that calls get_megatron_optimizer, which is ours already.
+    if core_muon is not None and hasattr(core_muon, "TensorParallelMuon"):
+        pairs[id(core_muon.get_megatron_muon_optimizer)] = muon_call.get_megatron_muon_optimizer
     return pairs
 
 

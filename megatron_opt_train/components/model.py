@@ -16,6 +16,9 @@ class Block(torch.nn.Module):
         self.heads = heads
         self.ln1 = torch.nn.LayerNorm(hidden)
         self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+        # Muon's QKV split (--muon-no-split-qkv turns it off): the rows are Q, K, V of all heads, one block
+        # each, i.e. megatron-core's qkv_split_shapes with a single query group.
+        self.qkv.weight.qkv_split_shapes = (hidden, hidden, hidden)
         self.proj = torch.nn.Linear(hidden, hidden)
         self.ln2 = torch.nn.LayerNorm(hidden)
         self.fc1 = torch.nn.Linear(hidden, ffn_hidden)

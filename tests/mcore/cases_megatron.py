@@ -182,7 +182,8 @@ def run_unwrap_and_install() -> dict:
 
         out["late_import_is_ours"] = LateDDP is mo.DistributedDataParallel
         out["early_import_is_ours"] = early.DDP is mo.DistributedDataParallel
-        out["early_factory_is_ours"] = early.get_megatron_optimizer is mo.get_megatron_optimizer
+        # megatron_opt's factory behind install()'s entry, which tags QKV weights for Muon first (muon_call.py)
+        out["early_factory_is_ours"] = early.get_megatron_optimizer is megatron_opt.megatron.muon_call.get_megatron_optimizer
         out["wrapper_tuple_has_ours"] = mo.DistributedDataParallel in early.WRAPPERS
         config = mcore_cpu.transformer_config(True)
         model = mcore_cpu.build_gpt(config)

@@ -23,18 +23,40 @@ from tests.mcore.cases_megatron import forward_step, global_batches, schedule
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 
-def _full_param_layout(chunk: torch.nn.Module, ddp_config, dp_size: int):
+def _full_param_layout(chunk: torch.nn.Module, ddp_config, dp_size: int, layer_wise: bool = False):
     """What Megatron-LM main's get_model computes for the distributed optimizer (None where this
-    megatron-core has no such layout, or the DDP config does not shard)."""
-    compute = getattr(core_optimizer.DistributedOptimizer, "compute_full_param_layout", None)
+    megatron-core has no such layout, or the DDP config does not shard); with ``layer_wise`` (Muon sharded),
+    LayerWiseDistributedOptimizer's layout, after tagging the params for its buffer routing."""
+    owner = core_optimizer.DistributedOptimizer
+    if layer_wise:
+        import megatron.core.optimizer.layer_wise_optimizer as layer_wise_optimizer
+        owner = layer_wise_optimizer.LayerWiseDistributedOptimizer
+        if hasattr(owner, "compute_full_param_layout"):
+            layer_wise_optimizer.tag_params_for_buffer_routing([chunk])
+    compute = getattr(owner, "compute_full_param_layout", None)
     if compute is None or not ddp_config.use_distributed_optimizer:
         return None
     params = [p for p in chunk.parameters() if p.requires_grad]
     return compute(params, ddp_config.bucket_size, dp_size, ddp_config, expert_data_parallel_world_size=dp_size)
 
 
-def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2) -> dict:
-    """Per-step (success, grad norm, num_zeros, loss scale), the step losses and the final model params."""
+def _as_megatron_lm_muon(ddp_config, opt_config, sharded: bool) -> None:
+    """What Megatron-LM main's validate_args and get_model make of ``--optimizer muon --muon-momentum 0.9
+    --muon-fp32-matmul-prec high`` (fp32 Newton-Schulz on the CPU), with ``--use-distributed-optimizer
+    --overlap-grad-reduce --overlap-param-gather`` when ``sharded``: use_layer_wise_distributed_optimizer=True
+    and use_distributed_optimizer=False in the optimizer config, the DDP config forced to the distributed
+    optimizer (wrap_model_chunks_with_ddp). Without ``sharded``: megatron-core's non-distributed Muon."""
+    opt_config.optimizer, opt_config.muon_momentum, opt_config.muon_fp32_matmul_prec = "muon", 0.9, "high"
+    opt_config.use_distributed_optimizer = False
+    opt_config.use_layer_wise_distributed_optimizer = sharded
+    opt_config.overlap_param_gather = sharded
+    ddp_config.use_distributed_optimizer = ddp_config.overlap_grad_reduce = ddp_config.overlap_param_gather = sharded
+
+
+def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2, muon: bool = False) -> dict:
+    """Per-step (success, grad norm, num_zeros, loss scale), the step losses and the final model params.
+    ``muon``: Megatron-LM main's Muon flags on the launch's configs (fp32 launches only): megatron_opt's
+    run is the sharded one with both overlaps, megatron-core's its non-distributed Muon."""
     label = recorded.installed_label()
     mcore_cpu.init_parallel_state()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -45,6 +67,8 @@ def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2) 
         ddp_config.bucket_size = max(40000000, 1000000 * world)
     opt_class = getattr(core_optimizer, opt_item["class"])
     opt_config = opt_class(**recorded.core_kwargs(opt_item, opt_class))
+    if muon:
+        _as_megatron_lm_muon(ddp_config, opt_config, sharded=impl == "megatron_opt")
     bf16 = bool(opt_config.bf16)
     config = mcore_cpu.transformer_config(False, torch.bfloat16 if bf16 else torch.float32)
     out: dict = {"label": label, "launch": launch}
@@ -55,7 +79,8 @@ def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2) 
         model = mcore_cpu.build_gpt(config, seed=0)
         if bf16:
             model = Float16Module(config, model)
-        layout = _full_param_layout(model, ddp_config, world)
+        layout = _full_param_layout(model, ddp_config, world,
+                                    layer_wise=bool(getattr(opt_config, "use_layer_wise_distributed_optimizer", False)))
         extra = {} if layout is None else {"full_param_layout": layout}
         ddp = core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=model,
                                                        disable_bucketing=False, **extra)

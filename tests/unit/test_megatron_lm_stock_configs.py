@@ -62,13 +62,26 @@ def test_inert_field_accepts_any_value(kind, name, value):
     ("ddp", "num_buckets", 4, "bucket_size"),
     ("ddp", "fp4_param_gather", True, "fp4"),
     ("ddp", "param_name_patterns_for_fp32_local_accumulation", ("bias",), "grad_reduce_in_fp32"),
-    ("optimizer", "use_layer_wise_distributed_optimizer", True, "layer-wise"),
+    ("optimizer", "use_layer_wise_distributed_optimizer", True, "layer-wise"),  # with optimizer='adam'
 ])
 def test_default_only_field_is_refused_by_name_with_its_reason(kind, name, value, reason):
     config = recorded.rebuilt(recorded.entry("main-d98e8a64", "stock", kind))
     setattr(config, name, value)
     with pytest.raises(UnsupportedConfigError, match=f"{name}=.*{reason}"):
         CONVERT[kind](config)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "dist_muon"])
+def test_layer_wise_distributed_muon_is_megatron_opts_sharded_muon(optimizer):
+    """Megatron-LM main's --optimizer muon --use-distributed-optimizer: use_layer_wise_distributed_optimizer=True
+    with use_distributed_optimizer=False (the model wrapped with the distributed optimizer's DDP) is Muon
+    sharded over the data-parallel ranks; the muon_* fields keep Megatron-LM's values."""
+    config = recorded.rebuilt(recorded.entry("main-d98e8a64", "stock", "optimizer"))
+    config.optimizer, config.use_distributed_optimizer, config.muon_momentum = optimizer, False, 0.9
+    assert as_optimizer_config(config).use_distributed_optimizer is False
+    config.use_layer_wise_distributed_optimizer = True
+    converted = as_optimizer_config(config)
+    assert (converted.optimizer, converted.use_distributed_optimizer, converted.muon_momentum) == (optimizer, True, 0.9)
 
 
 def test_an_undecided_field_is_refused_unless_at_its_default():

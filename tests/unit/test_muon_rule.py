@@ -113,7 +113,8 @@ def test_momentum_is_the_ema_form_and_nesterov_looks_ahead():
     assert buf.tolist() == [1.0, -0.5] and u.tolist() == [1.0, -1.25]
 
 
-def test_the_flags_refuse_muon_until_its_flags_are_mapped():
+def test_the_flags_map_megatron_lms_muon_defaults():
+    """Megatron-LM main's --muon-* defaults, not megatron-core's config defaults (0.95, blockwise)."""
     import argparse
 
     from megatron_opt.megatron import arguments as megatron_args
@@ -122,5 +123,5 @@ def test_the_flags_refuse_muon_until_its_flags_are_mapped():
     parser = argparse.ArgumentParser()
     megatron_args.add_megatron_args(parser)
     args = parser.parse_args(["--optimizer", "muon", "--lr", "1e-3"])
-    with pytest.raises(mo.UnsupportedConfigError, match="--muon-"):
-        optimizer_config_from_args(args)
+    config = optimizer_config_from_args(args)
+    assert (config.muon_momentum, config.muon_tp_mode) == (0.9, "duplicated")

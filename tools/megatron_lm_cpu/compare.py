@@ -4,6 +4,11 @@
         [--layouts DP2 TP2 PP2] [--fp32] [--no-resume] [--logs DIR]
         [--gpu] [--nproc N] [--iters N] [--model ARGS] [--launch-timeout S] [--summary PATH]
 
+DP2-muon and TP2-muon (Megatron-LM main only; TP2-muon adds ``--tensor-model-parallel-size 2 --muon-tp-mode
+duplicated``; --extra comes after a layout's flags, so it overrides them) train ``--optimizer muon
+--muon-fp32-matmul-prec high`` with the same flags: megatron-core's LayerWiseDistributedOptimizer (in fp32 its non-distributed Muon: main d98e8a64's LayerWise
+fails at start-up in fp32) against megatron_opt's sharded Muon.
+
 For each Megatron-LM version (a source tree with megatron/, pretrain_gpt.py, gpt_builders.py and
 model_provider.py, and an interpreter with
 torch and megatron_opt installed) and each 2-rank layout, it launches run.py under torchrun twice with
@@ -49,6 +54,15 @@ NO_FUSED_KERNELS = ("--transformer-impl local --no-gradient-accumulation-fusion 
 CPU_ONLY = ["--distributed-backend", "gloo"] + NO_FUSED_KERNELS
 UNDER_TEST = "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --log-num-zeros-in-grad".split()
 LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--pipeline-model-parallel-size", "2"]}
+# Muon (Megatron-LM main only: core_v0.16.1's validate_args refuses Muon with UNDER_TEST's flags). fp32 matmuls
+# in Newton-Schulz ('high' is fp32 on the CPU) so that the two runs differ by rounding order only.
+MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]
+MUON_LAYOUTS = {"DP2-muon": MUON,
+               "TP2-muon": MUON + ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]}
+# megatron-core's reference for a Muon run: its LayerWiseDistributedOptimizer with UNDER_TEST's flags, except in
+# fp32, where Megatron-LM main d98e8a64's LayerWise chain fails at start-up (ChainedOptimizer asserts one config for
+# LayerWise and its fp32 DistributedOptimizer child): there the reference is its non-distributed Muon.
+NOT_IN_FP32_MUON_REFERENCE = ("--use-distributed-optimizer", "--overlap-param-gather")
 LOG_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+.\dEe]+) \| loss scale: ([-+.\dEe]+) \| "
                       r"grad norm: ([-+.\dEe]+) \|(?: num zeros: ([-+.\dEe]+) \|)?")
 ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
@@ -192,7 +206,9 @@ def main() -> int:
     p.add_argument("--v0161", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/v0161", "/work/main/.venv/bin/python"])
     p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/main", "/work/main/.venv312/bin/python"])
     p.add_argument("--versions", nargs="+", default=["v0161", "main"], choices=["v0161", "main"])
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS) + list(MUON_LAYOUTS),
+                   choices=list(LAYOUTS) + list(MUON_LAYOUTS),
+                   help="DP2-muon: --optimizer muon (Megatron-LM main only; skipped for v0161)")
     p.add_argument("--fp32", action="store_true", help="train in fp32 (default: --bf16)")
     p.add_argument("--no-resume", action="store_true", help="skip the checkpoint resume check")
     p.add_argument("--no-matrix", action="store_true", help="only the resume check")
@@ -213,7 +229,8 @@ def main() -> int:
     iters = opts.iters
     model = opts.model.split()
     device_args = NO_FUSED_KERNELS if opts.gpu else CPU_ONLY
-    base = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"]) + opts.extra.split()
+    common = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"])
+    base = common + opts.extra.split()
     tokens_per_iter = int(model[model.index("--global-batch-size") + 1]) * int(model[model.index("--seq-length") + 1])
     all_its = range(1, iters + 1)
     pairs = []
@@ -237,7 +254,13 @@ def main() -> int:
     for version in opts.versions:
         refs = {}
         for layout in [] if opts.no_matrix else opts.layouts:
-            args = base + LAYOUTS[layout]
+            muon = layout in MUON_LAYOUTS
+            if muon and version != "main":
+                report.append(f"{version} {layout:<29} skipped: Megatron-LM core_v0.16.1 refuses Muon with "
+                              f"{' '.join(UNDER_TEST[:3])} (Muon through install() needs Megatron-LM main)")
+                continue
+            # the layout's flags, then --extra's (last, so that --extra "--muon-tp-mode blockwise" overrides)
+            args = common + (MUON_LAYOUTS[layout] if muon else LAYOUTS[layout]) + opts.extra.split()
             recs = {}
             for megatron_opt in (False, True):
                 extra = []
@@ -245,7 +268,10 @@ def main() -> int:
                     ref_ckpt = os.path.join(logs, f"{version}.ckpt_ref.{'mo' if megatron_opt else 'mcore'}")
                     shutil.rmtree(ref_ckpt, ignore_errors=True)
                     extra = save + ["--save", ref_ckpt]
-                recs[megatron_opt] = run(version, layout, megatron_opt, args + extra)
+                run_args = args
+                if muon and opts.fp32 and not megatron_opt:
+                    run_args = [a for a in args if a not in NOT_IN_FP32_MUON_REFERENCE]
+                recs[megatron_opt] = run(version, layout, megatron_opt, run_args + extra)
             if layout == "DP2":
                 refs = recs
             d = diff(recs[False], recs[True], all_its)

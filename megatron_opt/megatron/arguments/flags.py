@@ -127,6 +127,7 @@ def _add_optimizer_args(g: _Group) -> None:
     g.value("--sgd-momentum", float, 0.9)
     g.value("--lion-beta1", float, 0.95)
     g.value("--lion-beta2", float, 0.98)
+    _add_muon_args(g)
     g.switch("--use-precision-aware-optimizer",
              help="Megatron-LM's precision-aware optimizer: the dtypes below, and bf16 params' masters kept as the "
                   "param plus a 16-bit remainder")
@@ -147,6 +148,28 @@ def _add_optimizer_args(g: _Group) -> None:
                  "param/master cast (verify mode, docs/usage.md); 0 (the default) turns it off")
     g.value("--verify-action", str, "raise", choices=VERIFY_ACTIONS,
             help="megatron_opt's own: on a failed verification raise VerificationError on every rank, or warn")
+
+
+def _add_muon_args(g: _Group) -> None:
+    """Megatron-LM main's --muon-* flags, with its defaults (which differ from megatron-core's config
+    defaults: --muon-momentum 0.9, not 0.95; --muon-tp-mode duplicated, not blockwise)."""
+    g.value("--muon-momentum", float, 0.9, help="Muon's momentum (Megatron-LM's default 0.9; megatron-core's "
+                                               "OptimizerConfig default is 0.95)")
+    g.switch("--muon-no-split-qkv", dest="muon_split_qkv", store=False,
+             help="orthogonalize the fused QKV weight as one matrix (default: Q, K and V each)")
+    g.switch("--muon-nesterov", help="Nesterov momentum")
+    g.value("--muon-scale-mode", str, "spectral", choices=("spectral", "unit_rms_norm", "shape_scaling"))
+    g.value("--muon-fp32-matmul-prec", str, "medium", choices=("low", "medium", "high"),
+            help="Newton-Schulz matmul precision: medium = bf16, high = TF32 on CUDA (fp32 on the CPU); 'low' is "
+                 "refused by megatron_opt")
+    g.value("--muon-coefficient-type", str, "quintic", help="Newton-Schulz coefficients (megatron_opt: quintic)")
+    g.value("--muon-num-ns-steps", int, 5)
+    g.value("--muon-tp-mode", str, "duplicated", choices=("blockwise", "duplicated", "distributed"),
+            help="Newton-Schulz of tensor-parallel weights (no effect at tensor-parallel size 1)")
+    g.switch("--muon-use-syrk", help="a Triton kernel of megatron-core's; accepted, no effect on the result")
+    g.value("--muon-extra-scale-factor", float, 1.0)
+    g.value("--muon-scalar-optimizer", str, "adam", choices=("adam", "lion"),
+            help="the optimizer of the params Muon does not take (megatron_opt: adam, i.e. AdamW)")
 
 
 def _add_learning_rate_args(g: _Group) -> None:

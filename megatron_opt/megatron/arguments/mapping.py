@@ -39,12 +39,9 @@ def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelCon
 
 def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
     """get_megatron_optimizer's config."""
-    if args.optimizer in ("muon", "dist_muon"):
-        # Megatron-LM's --muon-* flags (whose defaults differ from megatron-core's: --muon-momentum 0.9)
-        # are not mapped yet: refuse rather than train with other constants than the flags say.
-        raise UnsupportedConfigError(
-            f"--optimizer {args.optimizer} through Megatron-LM's flags is not implemented yet (the --muon-* flags are "
-            f"not mapped); use get_megatron_optimizer(OptimizerConfig(optimizer='muon', ...)) (docs/usage.md, 'Muon').")
+    if args.muon_scalar_optimizer != "adam":
+        raise UnsupportedConfigError(f"--muon-scalar-optimizer {args.muon_scalar_optimizer}: megatron_opt's Muon "
+                                     f"trains the params Muon does not take with AdamW only; use adam (the default)")
     return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
@@ -63,6 +60,12 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         exp_avg_sq_dtype=DTYPES[args.exp_avg_sq_dtype], store_param_remainders=args.store_param_remainders,
         stochastic_rounding=args.stochastic_rounding,
         verify_interval=args.verify_interval, verify_action=args.verify_action,
+        # Megatron-LM's --muon-* flags (read only with --optimizer muon), with the flags' values: Megatron-LM's
+        # defaults, not megatron-core's config defaults (--muon-momentum 0.9, --muon-tp-mode duplicated).
+        muon_momentum=args.muon_momentum, muon_split_qkv=args.muon_split_qkv, muon_nesterov=args.muon_nesterov,
+        muon_scale_mode=args.muon_scale_mode, muon_fp32_matmul_prec=args.muon_fp32_matmul_prec,
+        muon_coefficient_type=args.muon_coefficient_type, muon_num_ns_steps=args.muon_num_ns_steps,
+        muon_tp_mode=args.muon_tp_mode, muon_extra_scale_factor=args.muon_extra_scale_factor,
     )
 
 

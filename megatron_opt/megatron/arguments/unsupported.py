@@ -77,7 +77,7 @@ UNSUPPORTED_FLAGS: Mapping[str, UnsupportedFlags] = MappingProxyType({
         ("--optimizer-cpu-offload", "--optimizer-offload-fraction", "--main-grads-dtype", "--use-torch-fsdp2",
          "--use-megatron-fsdp", "--use-custom-fsdp", "--data-parallel-sharding-strategy", "--ddp-num-buckets",
          "--ddp-average-in-collective", "--ddp-pad-buckets", "--ddp-reduce-scatter-with-fp32", "--nccl-ub",
-         "--optimizer-cuda-graph", "--no-align-param-gather", "--muon", "--apply-wd-to-qk-layernorm",
+         "--optimizer-cuda-graph", "--no-align-param-gather", "--apply-wd-to-qk-layernorm",
          "--manual-gc", "--empty-unused-memory-level", "--exit-duration-in-mins", "--exit-signal-handler",
          "--rerun-mode", "--check-weight-hash-across-dp-replicas-interval"),
         "not implemented by megatron_opt or by this script"),

@@ -250,6 +250,8 @@ def _check_schedule(args: argparse.Namespace, name: FlagNames, sample_based: boo
 
 
 def _check_optimizer(args: argparse.Namespace, name: FlagNames, sample_based: bool) -> None:
+    if args.optimizer == "dist_muon":  # Megatron-LM main: deprecated spelling of muon + the sharded optimizer
+        args.optimizer, args.use_distributed_optimizer = "muon", True
     if not (math.isfinite(args.min_loss_scale) and args.min_loss_scale > 0):
         raise MegatronArgumentError(f"--min-loss-scale must be a finite number > 0, got {args.min_loss_scale:g}")
     if not (math.isfinite(args.initial_loss_scale) and args.initial_loss_scale >= args.min_loss_scale):
@@ -312,4 +314,6 @@ def _flag_names_in(message: str) -> str:
     def flag(match: "re.Match[str]") -> str:
         field = match.group(2)
         return CONFIG_FIELD_FLAGS.get(field, "--" + field.replace("_", "-"))
-    return re.sub(r"\b(OptimizerConfig|DistributedDataParallelConfig)\.(\w+)", flag, message)
+    message = re.sub(r"\b(OptimizerConfig|DistributedDataParallelConfig)\.(\w+)", flag, message)
+    # Muon's rule names its constants without the config: muon_momentum=1.5 is --muon-momentum 1.5
+    return re.sub(r"(?<![\w.-])(muon_\w+)=", lambda m: "--" + m.group(1).replace("_", "-") + " ", message)
