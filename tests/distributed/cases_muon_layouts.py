@@ -152,7 +152,7 @@ def _train(ddp, model, opt, ref, reference, steps, losses, loss, shard_coords, e
             (r_loss / world).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
         reference.step()
-        out["norm_rel"].append(abs(norm - ref_norm) / ref_norm)
+        out["norm_rel"].append(abs(norm - ref_norm) / ref_norm if norm is not None else float("nan"))
         ddp.finish_param_sync()
         out["param_err"].append({n: _rel(p.detach(), ref_params[ref_name(n)].detach(),
                                          ref_params[ref_name(n)].detach() - initial[ref_name(n)])
@@ -271,6 +271,6 @@ def train_overlap_with_step(steps: int = 3) -> dict:
                  loss=lambda step: _loss(chunks[1](chunks[0](batch(step, rank)[0])), batch(step, rank)[1]),
                  shard_coords=())
     out["chunk_params"] = [sorted(n for n, _ in c.module.named_parameters()) for c in chunks]
-    out["children_sources"] = [[chunks.index(s) for s in child.model_chunks] if hasattr(child, "model_chunks") else None
-                               for child in opt.chained_optimizers]
+    # megatron-core's protocol: the step dispatches the first chunk's all-gather, not its own start_param_sync
+    out["step_dispatches"] = [c.overlap_param_gather_with_optimizer_step for c in chunks]
     return out

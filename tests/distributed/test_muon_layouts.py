@@ -41,7 +41,7 @@ def test_muon_overlap_param_gather_with_optimizer_step(pools):
     check_reference(results, 3)
     for res in results:
         assert res["kinds"] == [("muon", False), ("adam", False), ("muon", False), ("adam", False)]
-        assert res["children_sources"] == [[0], [0], [1], [1]]
         assert res["chunk_params"] == [["attn.linear_qkv.weight", "emb.weight"],
                                        ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "norm.bias",
                                         "norm.weight", "out.weight"]]
+        assert res["step_dispatches"] == [True, False]
