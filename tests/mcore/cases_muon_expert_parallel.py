@@ -86,7 +86,8 @@ def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", g
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     step_batches = global_batches(steps, dp, ga, mb)
     global_batch = dp * ga * mb
-    reference = cmm._reference(layout, step_batches, dp, global_batch, options)
+    with cpu_megatron_core():  # megatron-core 0.16.1's MoE router backward needs it (as cases_model_parallel's)
+        reference = cmm._reference(layout, step_batches, dp, global_batch, options)
     init = reference["init"]
     out = {"param": [], "expert_param": [], "momentum": [], "expert_momentum": [], "norm": [], "success": []}
     with mcore_cpu.model_parallel_state(**layout.sizes()), cpu_megatron_core():

@@ -37,7 +37,7 @@ def check(results: list, steps: int, chain: list = CHAIN) -> dict:
 
 def test_muon_expert_parallel_ep2_under_dp4(pools):
     """EP 2 under DP 4 (expert DP 2), megatron-core's all-to-all dispatcher."""
-    print(check(pools(4).run(cme.run_muon_ep, "ep2", 3, timeout=TIMEOUT), 3))
+    check(pools(4).run(cme.run_muon_ep, "ep2", 3, timeout=TIMEOUT), 3)
 
 
 @pytest.mark.parametrize("tp_mode", ["duplicated"])
@@ -45,5 +45,4 @@ def test_muon_expert_tensor_parallel_etp2(pools, tp_mode):
     """EP 2 with expert TP 2 (expert DP 1): the expert matrices are orthogonalised across the expert-TP
     group (the full matrix, as the TP-1 reference). megatron-core allows expert biases only at expert TP
     1, so every expert param is a matrix: no expert AdamW child."""
-    figs = check(pools(4).run(cme.run_muon_ep, "ep2_etp2", 3, tp_mode=tp_mode, timeout=TIMEOUT), 3, chain=CHAIN[:3])
-    print(figs)
+    check(pools(4).run(cme.run_muon_ep, "ep2_etp2", 3, tp_mode=tp_mode, timeout=TIMEOUT), 3, chain=CHAIN[:3])
