@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,10 @@ LAYOUTS = {
     "dp4": cmp.Layout(),
     "tp2": cmp.Layout(tp=2),
     "tp2_sp": cmp.Layout(tp=2, sp=True),
+    # SwiGLU: fc1's TP block is [gate_r; up_r] (partition_stride 2), so its TP gather is a row permutation of
+    # the model's [gate; up] (Newton-Schulz is equivariant to it). Not blockwise: the reference's blockwise
+    # cuts the whole tensor into contiguous chunks, which is not a strided param's block.
+    "tp2_glu": cmp.Layout(tp=2, glu=True),
     "pp2": cmp.Layout(pp=2),
     "pp2_vp2": cmp.Layout(pp=2, vp=2, layers=4),
 }
@@ -128,9 +132,11 @@ def _setup(chunks: list, config, global_batch: int, options: dict):
                 muon_tp_mode=options["tp_mode"], muon_fp32_matmul_prec=options["matmul_prec"],
                 muon_split_qkv=True, muon_num_ns_steps=5, muon_scale_mode="spectral")
     if options["verify"]:  # verify mode is megatron_opt's own OptimizerConfig field
-        opt_config = mo.OptimizerConfig(**muon, verify_interval=1)
-    else:
-        opt_config = core_optimizer.OptimizerConfig(**muon)
+        opt_config = mo.OptimizerConfig(**muon, muon_nesterov=options["nesterov"], verify_interval=1)
+    else:  # megatron-core 0.16.1 names it muon_use_nesterov
+        fields = {f.name for f in dataclasses.fields(core_optimizer.OptimizerConfig)}
+        nesterov = "muon_nesterov" if "muon_nesterov" in fields else "muon_use_nesterov"
+        opt_config = core_optimizer.OptimizerConfig(**muon, **{nesterov: options["nesterov"]})
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
     one = (lambda funcs: funcs[0]) if len(ddps) == 1 else (lambda funcs: funcs)
@@ -185,18 +191,22 @@ def _counted(chunks: list, whole: dict) -> list:
 
 def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overlap: bool = True,
              nesterov: bool = False, matmul_prec: str = "highest", verify: bool = False, ga: int = 2, mb: int = 2,
-             bucket_size: int = 4000, nonfinite_at: Optional[int] = None) -> dict:
+             bucket_size: int = 4000, nonfinite_at: Optional[int] = None,
+             inspect: Optional[Callable[[dict], dict]] = None) -> dict:
     """Train ``steps`` steps of megatron_opt's Muon in the named layout (LAYOUTS, 4 ranks) and the float64
     reference on the same global batches; this rank's per-step figures (the same on every rank) and
     replica checks. ``tp_mode``: muon_tp_mode (also the reference's); ``overlap``: overlap_grad_reduce and
     overlap_param_gather; ``verify``: verify mode every step (the float64 recomputation of the update);
     ``nonfinite_at``: at that step the last rank (the last pipeline stage) puts a NaN into one of its
-    reduced gradients, so every rank must skip it (the reference skips it too)."""
+    reduced gradients, so every rank must skip it (the reference skips it too); ``inspect``: a module-level
+    function (it travels to the workers by name) called after the last step, inside the layout's
+    parallel state, with {"layout", "chunks", "ddps", "optimizer", "reference", "step_batches"}; the dict it
+    returns is merged into the figures (e.g. a checkpoint round trip, megatron-core's own Muon)."""
     options = dict(tp_mode=tp_mode, overlap=overlap, nesterov=nesterov, matmul_prec=matmul_prec, verify=verify,
                    bucket_size=bucket_size, nonfinite_at=nonfinite_at)
-    if nesterov:
-        raise NotImplementedError("run_muon: nesterov needs the megatron-core version's field name (not wired yet)")
     layout = LAYOUTS[layout_name]
+    if layout.glu and tp_mode == "blockwise":
+        raise ValueError("run_muon: the reference has no blockwise mode for a strided (SwiGLU) param")
     mcore_cpu.init_parallel_state()
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     step_batches = global_batches(steps, dp, ga, mb)
@@ -256,6 +266,9 @@ def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overl
             out["optimizer_module"] = type(opt).__module__
             if verify:
                 out["verified"] = opt.verify_report.verified_steps
+            if inspect is not None:
+                out.update(inspect(dict(layout=layout, chunks=chunks, ddps=ddps, optimizer=opt, reference=reference,
+                                        step_batches=step_batches)))
         finally:
             megatron_opt.megatron.uninstall()
     return out

@@ -28,16 +28,24 @@ CASES = [  # (layout, muon_tp_mode): the issue's layouts at 4 ranks (DP 2 each)
     ("tp2", "duplicated"),
     ("tp2", "distributed"),
     ("tp2_sp", "duplicated"),
+    ("tp2_glu", "distributed"),  # SwiGLU's strided fc1: its TP blocks are a row permutation of the matrix
     ("pp2", "blockwise"),
     ("pp2_vp2", "blockwise"),
 ]
 
 
-def check(results: list, steps: int) -> dict:
+# muon_fp32_matmul_prec="medium" (megatron-core's default: the iteration in bf16; distributed reduces the
+# Gram matrices in fp32 and rounds them back): measured params 3.6e-2 .. 5.9e-2 in every mode, as
+# megatron-core's own bf16 Muon against float64 (docs/muon.md); momentum 1.7e-3, grad norm 1.9e-4.
+BF16_NS = dict(param=1e-1, momentum=1e-2, norm=1e-3)
+
+
+def check(results: list, steps: int, bounds: dict = None) -> dict:
     """The worst figures over the ranks, asserted against the bounds."""
+    bounds = bounds or dict(param=PARAM, momentum=MOMENTUM, norm=NORM)
     figs = {key: max(max(r[key]) for r in results) for key in ("param", "momentum", "norm")}
     assert all(r["success"] == [True] * steps for r in results), results[0]["success"]
-    assert figs["param"] <= PARAM and figs["momentum"] <= MOMENTUM and figs["norm"] <= NORM, figs
+    assert all(figs[k] <= bounds[k] for k in figs), (figs, bounds)
     for r in results:
         assert r["optimizer_module"].startswith("megatron_opt."), r["optimizer_module"]
         failed = [k for k in ("dp_replicas_equal", "tp_copies_equal", "tied_embedding_equal") if r.get(k) is False]
@@ -50,6 +58,13 @@ def check(results: list, steps: int) -> dict:
 @pytest.mark.parametrize("layout, tp_mode", CASES, ids=[f"{layout}-{mode}" for layout, mode in CASES])
 def test_muon_model_parallel_matches_float64_reference(pools, layout, tp_mode):
     check(pools(4).run(cmm.run_muon, layout, 3, tp_mode=tp_mode, timeout=TIMEOUT), 3)
+
+
+def test_muon_tensor_parallel_bf16_newton_schulz(pools):
+    """The default muon_fp32_matmul_prec='medium': the distributed mode's bf16 iteration with its Gram
+    matrices reduced over TP, within bf16 Newton-Schulz's distance of the float64 reference."""
+    check(pools(4).run(cmm.run_muon, "tp2", 3, tp_mode="distributed", matmul_prec="medium", timeout=TIMEOUT), 3,
+          BF16_NS)
 
 
 @pytest.mark.parametrize("tp_mode", ["distributed", pytest.param("duplicated", marks=pytest.mark.slow)])
