@@ -110,7 +110,7 @@ def _rel(mine: torch.Tensor, theirs: torch.Tensor, base: torch.Tensor) -> float:
     return float((mine.double() - theirs).norm() / base.norm())
 
 
-def train_partial(k: int, steps: int = 3, bucket_size: Optional[int] = None) -> dict:
+def train_partial(k: int, steps: int = 3, bucket_size: Optional[int] = None, verify: bool = False) -> dict:
     """MuonNet on DP ranks with k optimizer instances (overlapped reduce-scatter and all-gather);
     per step the errors against the float64 reference, and what the test needs to check that the
     instances stay bitwise equal (each rank's params, its state_dict part, its shard coordinates)."""
@@ -123,7 +123,7 @@ def train_partial(k: int, steps: int = 3, bucket_size: Optional[int] = None) -> 
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
         bucket_size=bucket_size, num_distributed_optimizer_instances=k))
     cfg = mo.OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True,
-                             muon_fp32_matmul_prec="highest")
+                             muon_fp32_matmul_prec="highest", verify_interval=1 if verify else 0)
     opt = mo.get_megatron_optimizer(cfg, ddp)
     shard = ddp.local_shards()[0]
     reference = rm.reference_muon(ref, LR, WD, split_shapes=SPLIT)
@@ -175,10 +175,11 @@ def _train(ddp, model, opt, ref, reference, steps, losses, loss, shard_coords, e
     # this rank's owned elements of each Muon matrix (uneven ownership shows across ranks)
     out["owned"] = {n: v["values"].numel() for n, v in _model_names(sd.get("momentum_buffer", {})).items()}
     out["kinds"] = [(c.config.optimizer, c.is_expert_parallel) for c in opt.chained_optimizers]
+    out["verified"] = opt.verify_report.verified_steps if opt.verify_report is not None else None
     return out
 
 
-def train_expert_parallel(ep: int, steps: int = 3) -> dict:
+def train_expert_parallel(ep: int, steps: int = 3, verify: bool = False) -> dict:
     """ExpertMuonNet at DP = world with EP = ``ep`` (expert DP groups: ranks with equal ``rank % ep``)
     against the float64 whole model."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -193,7 +194,7 @@ def train_expert_parallel(ep: int, steps: int = 3) -> dict:
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True),
         expert_data_parallel_group=expert_groups[e])
     cfg = mo.OptimizerConfig(optimizer="muon", lr=LR, weight_decay=WD, clip_grad=CLIP, use_distributed_optimizer=True,
-                             muon_fp32_matmul_prec="highest")
+                             muon_fp32_matmul_prec="highest", verify_interval=1 if verify else 0)
     opt = mo.get_megatron_optimizer(cfg, ddp)
     reference = rm.reference_muon(ref, LR, WD, split_shapes=SPLIT)
 

@@ -20,8 +20,10 @@ EXPERT_MUON = ["experts.linear_fc1.weight", "experts.linear_fc2.weight"]
 def test_muon_expert_parallel_ep2_under_dp4(pools):
     """DP 4, EP 2: the expert matrices reduce over and are exchanged within expert DP groups of 2
     ({0, 2}, {1, 3}); dense Muon, dense AdamW, expert Muon and expert AdamW under one chain (one norm,
-    one clip): each expert DP group's ranks agree bitwise, the two groups hold different experts."""
-    results = pools(4).run(cases.train_expert_parallel, 2, 3, timeout=TIMEOUT)
+    one clip): each expert DP group's ranks agree bitwise, the two groups hold different experts.
+    Verify mode on: every step's update recomputed in float64 (each leaf over its own group)."""
+    results = pools(4).run(cases.train_expert_parallel, 2, 3, verify=True, timeout=TIMEOUT)
+    assert all(r["verified"] == 3 for r in results), [r["verified"] for r in results]
     check_reference(results, 3, muon=sorted(["dense." + n for n in MUON] + EXPERT_MUON))
     for rank, res in enumerate(results):
         assert res["kinds"] == [("muon", False), ("adam", False), ("muon", True), ("adam", True)], res["kinds"]

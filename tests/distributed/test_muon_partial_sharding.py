@@ -57,8 +57,9 @@ def straddling_unevenly(results: list, size: int) -> list[str]:
 
 def test_muon_partial_sharding_dp4_two_instances(pools):
     """DP 4, 2 instances of 2 ranks: fc1 straddles the instance's shard boundary unevenly (128 and 256
-    of 384 elements), the other matrices have one owner each."""
-    results = pools(4).run(cases.train_partial, 2, 3, timeout=TIMEOUT)
+    of 384 elements), the other matrices have one owner each. Verify mode on (every step)."""
+    results = pools(4).run(cases.train_partial, 2, 3, verify=True, timeout=TIMEOUT)
+    assert all(r["verified"] == 3 for r in results), [r["verified"] for r in results]
     assert straddling_unevenly(results, 2), [r["owned"] for r in results[:2]]
     check_instances_bitwise(results, 2)
     check_reference(results, 3)
