@@ -27,7 +27,11 @@ class ChainedOptimizer(MegatronOptimizer):
         self,
         chained_optimizers: Sequence[DistributedOptimizer],
         grad_stats_group: Optional[torch.distributed.ProcessGroup] = None,
+        early_children: Optional[int] = None,
     ) -> None:
+        """``early_children``: with overlap_param_gather_with_optimizer_step, how many leading children
+        hold the first model chunk's dense params (default 1; 2 for Muon: its Muon and AdamW children
+        split that chunk's buffers and share its all-gather)."""
         if not chained_optimizers:
             raise ValueError("ChainedOptimizer needs at least one child optimizer.")
         if any(c.chained_into is not None for c in chained_optimizers):
@@ -46,9 +50,9 @@ class ChainedOptimizer(MegatronOptimizer):
         self.grad_stats_group = grad_stats_group
         device = self.chained_optimizers[0].leaf.step.device
         scaler = self.chained_optimizers[0].grad_scaler
-        # Megatron-LM's overlap_param_gather_with_optimizer_step: the first child (the first model
-        # chunk's dense params) all-gathers its params while the other children update theirs.
-        early = 1 if self.config.overlap_param_gather_with_optimizer_step else 0
+        # Megatron-LM's overlap_param_gather_with_optimizer_step: the first child(ren) (the first model
+        # chunk's dense params) all-gather its params while the other children update theirs.
+        early = (early_children or 1) if self.config.overlap_param_gather_with_optimizer_step else 0
         self._driver = StepDriver(self._leaves(), self.config, scaler, chain_stats_groups(grad_stats_group), device,
                                   early_param_sync=early)
         for child in self.chained_optimizers:

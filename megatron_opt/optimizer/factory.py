@@ -154,7 +154,8 @@ def get_megatron_optimizer(
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
     if config.optimizer in MUON_NAMES:
         _check_muon_layout(config, chunks, expert_groups, model_parallel_group, tensor_parallel_group)
-        return _muon_optimizer(config, chunks, groups, scaler, common, grad_stats_group)
+        return _muon_optimizer(config, splits, dense_per_split, chunks, expert_groups, scaler, common,
+                               grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
                 for split, dense in zip(splits, dense_per_split)]
     if expert_groups:
@@ -164,35 +165,55 @@ def get_megatron_optimizer(
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
 
 
-def _muon_optimizer(config: OptimizerConfig, chunks: list, groups: list[dict], scaler: Optional[MegatronGradScaler],
-                    common: dict, grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
+def _muon_optimizer(config: OptimizerConfig, splits: list[list], dense_per_split: list[list[dict]], chunks: list,
+                    expert_groups: list[dict], scaler: Optional[MegatronGradScaler], common: dict,
+                    grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
     """megatron-core's split: Muon for 2-D params not marked is_embedding_or_output_parameter, AdamW with
-    the adam_* settings for the rest; two leaves under one driver (one decision, one clip, one scaler)."""
-    def split(keep: bool) -> list[dict]:
-        parts = [dict(g, params=[p for p in g["params"] if uses_muon(p) == keep]) for g in groups]
-        return [g for g in parts if g["params"]]
+    the adam_* settings for the rest, and (grouping by (optimizer, is_expert) as megatron-core does) the
+    expert-parallel params apart: [dense Muon, dense AdamW] per split of the chunks, then [expert Muon,
+    expert AdamW], every leaf under the chain's one driver (one norm, one clip, one decision, one
+    scaler). Each Muon leaf exchanges its matrices over its shards' data-parallel group: the dense DP
+    group (one optimizer instance of it with partial sharding) or the expert DP group. With
+    overlap_param_gather_with_optimizer_step the first split (the first chunk's dense params) is
+    stepped and all-gathered first: its Muon and AdamW children together."""
+    adam_config = dataclasses.replace(config, optimizer="adam")
 
-    children = [DistributedOptimizer(config, chunks, split(True), scaler, expert_parallel=False,
-                                     selects=uses_muon, **common)]
-    adam_groups = split(False)
-    if adam_groups:
-        adam_config = dataclasses.replace(config, optimizer="adam")
-        children.append(DistributedOptimizer(adam_config, chunks, adam_groups, scaler, expert_parallel=False,
-                                             selects=lambda p: not uses_muon(p), **common))
-    return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
+    def pair(some_chunks: list, groups: list[dict], expert: bool, always_muon: bool) -> list[DistributedOptimizer]:
+        def part(keep: bool) -> list[dict]:
+            parts = [dict(g, params=[p for p in g["params"] if uses_muon(p) == keep]) for g in groups]
+            return [g for g in parts if g["params"]]
+
+        out = []
+        muon_groups, adam_groups = part(True), part(False)
+        if muon_groups or always_muon:
+            out.append(DistributedOptimizer(config, some_chunks, muon_groups, scaler, expert_parallel=expert,
+                                            selects=uses_muon, **common))
+        if adam_groups:
+            out.append(DistributedOptimizer(adam_config, some_chunks, adam_groups, scaler, expert_parallel=expert,
+                                            selects=lambda p: not uses_muon(p), **common))
+        return out
+
+    per_split = [pair(split, dense, False, always_muon=i == 0) for i, (split, dense) in enumerate(zip(splits,
+                                                                                                     dense_per_split))]
+    children = [c for cs in per_split for c in cs]
+    if expert_groups:
+        children += pair(chunks, expert_groups, True, always_muon=False)
+    early = len(per_split[0]) if config.overlap_param_gather_with_optimizer_step else None
+    return ChainedOptimizer(children, grad_stats_group=grad_stats_group, early_children=early)
 
 
 def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], expert_groups: list,
                        model_parallel_group: Optional[torch.distributed.ProcessGroup],
                        tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> None:
-    """Muon runs at data, tensor (muon_tp_mode, with or without sequence parallelism) and pipeline
-    parallelism (virtual stages included); refuse the rest by name."""
+    """Muon runs at data, tensor (muon_tp_mode, with or without sequence parallelism), pipeline
+    parallelism (virtual stages included) and expert parallelism (its own Muon and AdamW leaves,
+    _muon_optimizer); refuse the rest by name."""
     missing = []
     for chunk in chunks:
         wrapped = getattr(chunk, "model_parallel_groups", None)
         sizes = wrapped.sizes() if wrapped is not None else {}
         missing += [f"{dim} parallelism (size {n})" for dim, n in sizes.items()
-                    if n > 1 and dim not in ("tensor", "pipeline", "expert tensor")]  # expert TP: only with experts
+                    if n > 1 and dim not in ("tensor", "pipeline", "expert", "expert tensor")]
     wrapped_tp = max((c.model_parallel_groups.sizes()["tensor"] for c in chunks
                       if getattr(c, "model_parallel_groups", None) is not None), default=1)
     if (config.muon_tp_mode != "blockwise" and wrapped_tp == 1 and tensor_parallel_group is not None
@@ -202,14 +223,10 @@ def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], ex
             f"group, which it takes from the model chunks, but they were wrapped without one (the "
             f"tensor_parallel_group keyword gives the TP rank only); wrap the model with megatron-core's "
             f"parallel_state or a pg_collection, or use muon_tp_mode='blockwise'.")
-    if expert_groups:
-        missing.append("expert-parallel params")
-    if config.overlap_param_gather_with_optimizer_step:
-        missing.append("overlap_param_gather_with_optimizer_step")
     if missing:
         raise UnsupportedConfigError(
-            f"optimizer={config.optimizer!r} is implemented for data, tensor and pipeline parallelism so far; not "
-            f"yet with: {', '.join(sorted(set(missing)))} (issue #30).")
+            f"optimizer={config.optimizer!r} is implemented for data, tensor, pipeline and expert parallelism so "
+            f"far; not yet with: {', '.join(sorted(set(missing)))} (issue #30).")
 
 
 def _check_pg_collection(pg_collection: Any, chunks: Sequence[GradSource]) -> None:

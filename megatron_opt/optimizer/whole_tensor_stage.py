@@ -66,14 +66,14 @@ class MatrixExchange:
         """``shards``: (model chunk index, shard) for every published shard (also those holding no piece
         here); ``selects``: which params are matrices of this stage; ``tensor_split_of``: which are
         orthogonalised across tensor parallelism, and how (None: none)."""
-        groups = {id(s.group) for _, s in shards}
+        # One exchange runs over one data-parallel group: the dense or the expert one (get_megatron_optimizer
+        # gives each its own leaf), with partial sharding one optimizer instance of it (the instances hold
+        # bitwise-equal gradients, so each computes the same update). Chunks may hold equal groups apart.
+        groups = {tuple(collectives.global_ranks(s.group)) for _, s in shards if s.sharded}
         if len(groups) > 1:
-            raise UnsupportedConfigError("whole-tensor rules over shards of several data-parallel groups (expert "
-                                         "parallelism) are not implemented yet.")
-        for _, s in shards:
-            if s.instance_count > 1:
-                raise UnsupportedConfigError("whole-tensor rules with num_distributed_optimizer_instances > 1 (partial "
-                                             "sharding) are not implemented yet.")
+            raise UnsupportedConfigError(f"one whole-tensor stage over shards of several data-parallel groups "
+                                         f"{sorted(groups)}: give dense and expert-parallel params separate "
+                                         f"optimizers (get_megatron_optimizer does).")
         self.group = shards[0][1].group if shards else None
         self.sharded = any(s.sharded for _, s in shards)
         self.size = collectives.world_size(self.group) if self.sharded else 1
