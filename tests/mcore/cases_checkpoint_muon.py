@@ -184,6 +184,8 @@ def load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any, mo
         return
     sd = _torch_dist_sd(chunks, opt, True, TORCH_DIST[fmt])
     sd["opt_param_scheduler"] = sched.state_dict()
+    if not model:  # dist_checkpointing.load fills the model's ShardedTensors in place: leave them out
+        sd = {k: v for k, v in sd.items() if k not in ccmp._model_keys(chunks)}
     with cc.cpu():
         loaded = dist_checkpointing.load(sd, folder)
     if model:
