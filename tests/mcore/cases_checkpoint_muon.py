@@ -73,11 +73,11 @@ def _mark_qkv(chunk: Any, config: Any) -> None:
             param.qkv_split_shapes = split
 
 
-def build(layout_name: str, seed: int, tp_mode: str = "blockwise") -> tuple:
+def build(layout_name: str, whole: dict, tp_mode: str = "blockwise") -> tuple:
     """Megatron-LM's setup_model_and_optimizer with --optimizer muon, through megatron-core's names (inside
-    _installed): (chunks, ddps, opt, sched, whole init)."""
+    _installed), from the whole model's weights ``whole`` (built outside it: megatron-core's layers take
+    their TP split from parallel_state): (chunks, ddps, opt, sched, whole)."""
     layout, dp, _ = _sizes(layout_name)
-    whole = ccmp._whole_init(seed, layout)
     config = cmp.transformer_config(layout, True, torch.float32)
     chunks = cmp.build_chunks(layout, config, whole)
     for chunk in chunks:
@@ -202,8 +202,9 @@ def run_save(path: str, layout_name: str, before: int, after: int, tp_mode: str 
     as saved, and the uninterrupted run's losses and final state (rank 0)."""
     mcore_cpu.init_parallel_state()
     layout = LAYOUTS[layout_name]
+    whole = ccmp._whole_init(0, layout)
     with _installed(layout):
-        chunks, ddps, opt, sched, whole = build(layout_name, 0, tp_mode)
+        chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode)
         batches = plan(before + after)
         first = train(layout_name, ddps, opt, sched, batches[:before])
         for fmt in formats:
@@ -222,9 +223,10 @@ def run_load(path: str, layout_name: str, formats: tuple, before: int, after: in
     mcore_cpu.init_parallel_state()
     layout = LAYOUTS[layout_name]
     out = {}
+    whole = ccmp._whole_init(1, layout)
     with _installed(layout):
         for fmt in formats:
-            chunks, ddps, opt, sched, whole = build(layout_name, 1, tp_mode)
+            chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode)
             load(path, fmt, chunks, ddps, opt, sched, model=model)
             loaded = state(opt, chunks, whole, layout_name)
             if resave is not None:

@@ -84,3 +84,22 @@ def test_optimizer_only_load_all_gathers_the_loaded_params(pools, saved_at_dp2):
         assert_same_state(saved["saved"], resumed[fmt]["loaded"], f"{fmt} optimizer only, at load")
         assert resumed[fmt]["losses"] == saved["losses"], fmt
         assert_same_state(saved["final"], resumed[fmt]["final"], f"{fmt} optimizer only, resumed")
+
+
+@pytest.mark.parametrize("tp_mode", ["blockwise", "duplicated"])
+def test_tp2_to_tp1_is_bitwise_and_a_tp2_resume_is_bit_exact(pools, tmp_path, tp_mode):
+    """TP2xDP2 -> TP1xDP2 (torch_dist fully_reshardable and megatron_opt.checkpoint; dp_reshardable stores
+    buckets, which another TP size lays out otherwise, and is refused: test_checkpoint_model_parallel). The
+    momentum is per element of the model's tensors whatever muon_tp_mode orthogonalises (each TP rank's
+    block, or the whole matrix), so the TP1 run holds the TP2 run's state bitwise; a resume at TP2
+    continues bit-exactly."""
+    path = str(tmp_path)
+    formats = ("fully_reshardable", "megatron_opt")
+    saved = pools(4).run(ccm.run_save, path, "tp2", BEFORE, AFTER, tp_mode, formats)[0]
+    assert saved["saved"]["steps"] == [(BEFORE, BEFORE)]
+    loaded = pools(2).run(ccm.run_load, path, "dp", formats, BEFORE, 0, tp_mode)[0]
+    for fmt in formats:
+        assert_same_state(saved["saved"], loaded[fmt]["loaded"], f"{fmt} TP2xDP2 -> TP1xDP2 ({tp_mode})")
+    resumed = pools(4).run(ccm.run_load, path, "tp2", formats[:1], BEFORE, AFTER, tp_mode)[0]
+    assert resumed[formats[0]]["losses"] == saved["losses"]
+    assert_same_state(saved["final"], resumed[formats[0]]["final"], f"TP2 resumed ({tp_mode})")
