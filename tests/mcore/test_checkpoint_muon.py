@@ -86,7 +86,7 @@ def test_optimizer_only_load_all_gathers_the_loaded_params(pools, saved_at_dp2):
         assert_same_state(saved["final"], resumed[fmt]["final"], f"{fmt} optimizer only, resumed")
 
 
-@pytest.mark.parametrize("tp_mode", ["blockwise", "duplicated"])
+@pytest.mark.parametrize("tp_mode", ["blockwise", pytest.param("duplicated", marks=pytest.mark.slow)])
 def test_tp2_to_tp1_is_bitwise_and_a_tp2_resume_is_bit_exact(pools, tmp_path, tp_mode):
     """TP2xDP2 -> TP1xDP2 (torch_dist fully_reshardable and megatron_opt.checkpoint; dp_reshardable stores
     buckets, which another TP size lays out otherwise, and is refused: test_checkpoint_model_parallel). The
