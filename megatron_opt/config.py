@@ -246,8 +246,7 @@ class OptimizerConfig:
         if self.muon_tp_mode not in TP_MODES:
             raise InvalidConfigError(f"OptimizerConfig.muon_tp_mode={self.muon_tp_mode!r}: use one of {TP_MODES}.")
         Muon.from_config(self)  # the rule checks its own constants
-        for name, why in (("optimizer_cuda_graph", "the Muon exchange is not captured in a CUDA graph yet"),
-                          ("fp16", "megatron-core refuses fp16 with Muon too; use bf16"),
+        for name, why in (("fp16", "megatron-core refuses fp16 with Muon too; use bf16"),
                           ("stochastic_rounding", "Muon's momentum_buffer rounds to nearest (stochastic rounding "
                                                   "is implemented for AdamW's moments only); leave it False")):
             if getattr(self, name):

@@ -49,13 +49,16 @@ class WholeTensorLeaf(OptimizerLeaf):
                                            p, shard.tensor_parallel_group, rule.tp_mode))
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
+        self._found_inf: Optional[torch.Tensor] = None
 
     def apply_update(self, clip_coef: Optional[torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None:
-        """The first, elementwise part: B = beta*B + (1-beta)*g and U, per owned piece."""
-        if found_inf is not None:
-            raise UnsupportedConfigError("Muon under a device-decided step (optimizer_cuda_graph) is not implemented.")
-        ops.advance_step(self.step, None, backend=self.backend)
+        """The first, elementwise part: B = beta*B + (1-beta)*g and U, per owned piece. ``found_inf``
+        (the step decided on the device, optimizer_cuda_graph): a device flag; nonzero keeps the momentum
+        as it was (and, in ``finish_update``, the masters), read by no host: the exchange and
+        Newton-Schulz still run, on every rank alike, and their result is discarded."""
+        ops.advance_step(self.step, found_inf, backend=self.backend)
         self._directions = None
+        self._found_inf = found_inf
         for multiplier in self.multipliers:
             multiplier.fold_clip(clip_coef)
         rule: Muon = self.rule
@@ -67,11 +70,12 @@ class WholeTensorLeaf(OptimizerLeaf):
                 a, b = pc.shard_range.start, pc.shard_range.end
                 # A 16-bit momentum (precision-aware) is widened, updated in fp32 and rounded once on
                 # store; U comes from the fp32 value, as verify mode's float64 recomputation assumes.
-                work = buf[a:b] if buf.dtype == torch.float32 else buf[a:b].float()
+                in_place = buf.dtype == torch.float32 and found_inf is None
+                work = buf[a:b] if in_place else buf[a:b].to(torch.float32, copy=True)
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
                     rule.momentum_direction(s.shard.grad[a:b], scale, work)
-                if buf.dtype != torch.float32:
-                    buf[a:b].copy_(work)
+                if not in_place:
+                    buf[a:b].copy_(_unless_skipped(found_inf, buf[a:b], work))
         self._directions = directions
 
     def finish_update(self) -> None:
@@ -82,12 +86,21 @@ class WholeTensorLeaf(OptimizerLeaf):
         rule: Muon = self.rule
         device = self.step.device
         updates = self.exchange.run(directions, self._orthogonalize, device)
+        found_inf, self._found_inf = self._found_inf, None
+        # The step decided on the device reads lr / wd from the staged device table (a CUDA graph
+        # replays with the values staged before it); the host step from the param groups.
+        table = self._hyperparams.table if found_inf is not None else None
         for src, s in self._owned_with_source():
             for pc, gid in zip(s.shard.pieces, s.table.group):
                 a, b = pc.shard_range.start, pc.shard_range.end
                 group = self.param_groups[gid]
-                rule.apply_direction(s.master[a:b], updates[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)],
-                                     float(group["lr"]), float(group["weight_decay"]))
+                lr, wd = ((float(group["lr"]), float(group["weight_decay"])) if table is None
+                          else (table[gid, 0], table[gid, 1]))
+                master = s.master[a:b] if found_inf is None else s.master[a:b].clone()
+                rule.apply_direction(master, updates[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)],
+                                     lr, wd)
+                if found_inf is not None:
+                    s.master[a:b].copy_(_unless_skipped(found_inf, s.master[a:b], master))
                 if s.param_out is not None:
                     s.param_out[a:b].copy_(s.master[a:b])
 
@@ -146,6 +159,12 @@ class WholeTensorLeaf(OptimizerLeaf):
 
     def _owned_with_source(self):
         return [(s.source, s) for s in self.store.shards]
+
+
+def _unless_skipped(found_inf: Optional[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``, or ``old`` where the device flag ``found_inf`` is nonzero (no host read: the
+    CUDA-graph step must not synchronise)."""
+    return new if found_inf is None else torch.where(found_inf != 0, old.to(new.dtype), new)
 
 
 __all__ = ["WholeTensorLeaf"]

@@ -44,3 +44,52 @@ def _run(device_step: bool, precision: str, skip_threshold):
 
 def device_step_equals_host_step(precision: str, skip_threshold) -> dict:
     return {"host": _run(False, precision, skip_threshold), "device": _run(True, precision, skip_threshold)}
+
+
+# Muon (a whole-tensor rule): per step a grad multiplier, the lr, and whether the last rank's grad gets a NaN.
+MUON_SCHEDULE = [(1.0, 2e-2, False), (5.0, 1.5e-2, False), (1.0, 1e-2, True), (0.2, 1e-2, False), (3.0, 8e-3, False)]
+
+
+def _run_muon(device_step: bool, dtype: str, nesterov: bool):
+    from tests.distributed import cases_muon as cm
+    import megatron_opt as mo
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = cm.MuonNet()
+    if dtype == "bf16":
+        model = model.bfloat16()
+        model.emb.weight.is_embedding_or_output_parameter = True
+        model.attn.linear_qkv.weight.qkv_split_shapes = cm.SPLIT
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=2e-2, weight_decay=0.1, clip_grad=0.5, bf16=dtype == "bf16",
+                             use_distributed_optimizer=True, muon_nesterov=nesterov, muon_fp32_matmul_prec="highest",
+                             log_num_zeros_in_grad=True, optimizer_cuda_graph=device_step)
+    opt = mo.get_megatron_optimizer(cfg, ddp)
+    out = []
+    for i, (mult, lr, nan) in enumerate(MUON_SCHEDULE):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        ddp.zero_grad_buffer()
+        x, t = cm.batch(i, rank)
+        (cm._loss(ddp, x, t) * mult).backward()
+        if nan:
+            ddp.finish_grad_sync()
+            shard = next(s for s in ddp.local_shards() if s.pieces)
+            if rank == world - 1:
+                shard.grad[shard.pieces[0].shard_range.start] = float("nan")
+        success, norm, zeros = opt.step()
+        ddp.finish_param_sync()
+        sd = opt.state_dict()
+        out.append(dict(success=bool(success), norm=None if norm is None else float(norm),
+                        zeros=None if zeros is None else int(zeros),
+                        params=flat_params(model), skipped=opt.skipped_steps,
+                        state={k: {p: v["values"].clone() for p, v in per.items()} for k, per in sd["state"].items()},
+                        scalars=repr(sd["scalars"]),
+                        types=(type(success).__name__, type(norm).__name__)))
+    return out
+
+
+def muon_device_step_equals_host_step(dtype: str, nesterov: bool) -> dict:
+    return {"host": _run_muon(False, dtype, nesterov), "device": _run_muon(True, dtype, nesterov)}

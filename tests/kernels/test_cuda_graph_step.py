@@ -44,13 +44,13 @@ def _model(seed: int = 5) -> torch.nn.Module:
     return torch.nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
 
 
-def _train(graph: bool) -> list[dict]:
+def _train(graph: bool, optimizer: str = "adam") -> list[dict]:
     model = _model()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, bucket_size=4000))
     opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
         lr=1e-2, bf16=True, use_distributed_optimizer=True, clip_grad=1.0, weight_decay=0.1,
-        grad_norm_skip_threshold=1e3, optimizer_cuda_graph=graph), ddp)
+        grad_norm_skip_threshold=1e3, optimizer_cuda_graph=graph, optimizer=optimizer), ddp)
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(32, 96, device="cuda", generator=g).bfloat16()
     out = []
@@ -70,8 +70,9 @@ def _train(graph: bool) -> list[dict]:
     return out
 
 
-def test_graph_replay_is_bitwise_equal_to_the_eager_step(nccl_world_of_one):
-    eager, graphed = _train(False), _train(True)
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])  # muon: the Linear weights (Newton-Schulz in the graph)
+def test_graph_replay_is_bitwise_equal_to_the_eager_step(nccl_world_of_one, optimizer):
+    eager, graphed = _train(False, optimizer), _train(True, optimizer)
     assert [r["success"] for r in eager] == [r["success"] for r in graphed]
     assert [r["success"] for r in eager].count(False) == 2, "one overflow and one norm skip"
     for i, (e, g) in enumerate(zip(eager, graphed)):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterator, Optional, Sequence
+from typing import Any, ClassVar, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -152,11 +152,14 @@ class Muon(UpdateRule):
         return g.mul_(1.0 - beta).add_(buf, alpha=beta) if self.nesterov else buf.clone()
 
     @staticmethod
-    def apply_direction(master: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
-        """Part 3 on one owned range: W = W*(1 - lr*wd) - lr*O, in place."""
-        if weight_decay != 0.0:
+    def apply_direction(master: torch.Tensor, direction: torch.Tensor, lr: Union[float, torch.Tensor],
+                        weight_decay: Union[float, torch.Tensor]) -> None:
+        """Part 3 on one owned range: W = W*(1 - lr*wd) - lr*O, in place. ``lr`` and ``weight_decay`` are
+        host floats, or 0-d device tensors (the step decided on the device reads the staged table): the
+        same roundings either way (lr*O rounded, then added), so both steps are bitwise the same."""
+        if isinstance(weight_decay, torch.Tensor) or weight_decay != 0.0:
             master.mul_(1.0 - lr * weight_decay)
-        master.sub_(direction, alpha=lr)
+        master.add_(direction * -lr)
 
     # ----------------------------------------------------------------- part 2: on the whole matrix
     def orthogonalize(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]] = None) -> torch.Tensor:
