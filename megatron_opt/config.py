@@ -183,7 +183,7 @@ class OptimizerConfig:
     muon_fp32_matmul_prec: str = "medium"
     muon_coefficient_type: str = "quintic"
     muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "blockwise"  # only meaningful at TP > 1 (not implemented yet: TP > 1 is refused)
+    muon_tp_mode: str = "blockwise"  # blockwise / duplicated / distributed: only meaningful at TP > 1
     muon_extra_scale_factor: float = 1.0
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False

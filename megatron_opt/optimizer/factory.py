@@ -185,23 +185,31 @@ def _muon_optimizer(config: OptimizerConfig, chunks: list, groups: list[dict], s
 def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], expert_groups: list,
                        model_parallel_group: Optional[torch.distributed.ProcessGroup],
                        tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> None:
-    """Muon runs data-parallel only so far (issue #30's first slice): refuse the rest by name."""
+    """Muon runs at data, tensor (muon_tp_mode, with or without sequence parallelism) and pipeline
+    parallelism (virtual stages included); refuse the rest by name."""
     missing = []
     for chunk in chunks:
         wrapped = getattr(chunk, "model_parallel_groups", None)
         sizes = wrapped.sizes() if wrapped is not None else {}
-        missing += [f"{dim} parallelism (size {n})" for dim, n in sizes.items() if n > 1]
-    for name, group in (("tensor_parallel_group", tensor_parallel_group), ("model_parallel_group", model_parallel_group)):
-        if group is not None and collectives.world_size(group) > 1:
-            missing.append(f"{name} of {collectives.world_size(group)} ranks")
+        missing += [f"{dim} parallelism (size {n})" for dim, n in sizes.items()
+                    if n > 1 and dim not in ("tensor", "pipeline", "expert tensor")]  # expert TP: only with experts
+    wrapped_tp = max((c.model_parallel_groups.sizes()["tensor"] for c in chunks
+                      if getattr(c, "model_parallel_groups", None) is not None), default=1)
+    if (config.muon_tp_mode != "blockwise" and wrapped_tp == 1 and tensor_parallel_group is not None
+            and collectives.world_size(tensor_parallel_group) > 1):
+        raise UnsupportedConfigError(
+            f"muon_tp_mode={config.muon_tp_mode!r} orthogonalises each TP-split matrix across the tensor-parallel "
+            f"group, which it takes from the model chunks, but they were wrapped without one (the "
+            f"tensor_parallel_group keyword gives the TP rank only); wrap the model with megatron-core's "
+            f"parallel_state or a pg_collection, or use muon_tp_mode='blockwise'.")
     if expert_groups:
         missing.append("expert-parallel params")
     if config.overlap_param_gather_with_optimizer_step:
         missing.append("overlap_param_gather_with_optimizer_step")
     if missing:
         raise UnsupportedConfigError(
-            f"optimizer={config.optimizer!r} is implemented for data parallelism only so far; not yet with: "
-            f"{', '.join(sorted(set(missing)))} (issue #30).")
+            f"optimizer={config.optimizer!r} is implemented for data, tensor and pipeline parallelism so far; not "
+            f"yet with: {', '.join(sorted(set(missing)))} (issue #30).")
 
 
 def _check_pg_collection(pg_collection: Any, chunks: Sequence[GradSource]) -> None:

@@ -20,6 +20,7 @@ from .float64_update import Float64Update
 from .rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
                          recompute_momentum)
 from .shard_store import ShardStore
+from .tensor_parallel_newton_schulz import orthogonalize_split, tensor_split_of
 from .whole_tensor_stage import Matrix, MatrixExchange, MatrixKey, piece_key
 
 
@@ -43,7 +44,9 @@ class WholeTensorLeaf(OptimizerLeaf):
         self.exchange = MatrixExchange([(chunk_of[id(src)], s) for src, s in store.published],
                                        selects=lambda p: id(p) in managed,
                                        qkv_split_of=lambda name, p: qkv_split_of(name, p, rule.split_qkv),
-                                       pieces_of=rule.pieces, ns_steps=rule.num_ns_steps)
+                                       pieces_of=rule.pieces, ns_steps=rule.num_ns_steps,
+                                       tensor_split_of=lambda p, shard: tensor_split_of(
+                                           p, shard.tensor_parallel_group, rule.tp_mode))
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
 
@@ -73,11 +76,7 @@ class WholeTensorLeaf(OptimizerLeaf):
             raise RuntimeError("WholeTensorLeaf.finish_update() without apply_update() in this step.")
         rule: Muon = self.rule
         device = self.step.device
-
-        def orthogonalize(u: torch.Tensor, m: Matrix) -> torch.Tensor:
-            return rule.orthogonalize(u, m.qkv_split)
-
-        updates = self.exchange.run(directions, orthogonalize, device)
+        updates = self.exchange.run(directions, self._orthogonalize, device)
         for src, s in self._owned_with_source():
             for pc, gid in zip(s.shard.pieces, s.table.group):
                 a, b = pc.shard_range.start, pc.shard_range.end
@@ -103,11 +102,7 @@ class WholeTensorLeaf(OptimizerLeaf):
             for pc in s.shard.pieces:
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
                     u[pc.shard_range.start:pc.shard_range.end]
-
-        def orthogonalize(u: torch.Tensor, m: Matrix) -> torch.Tensor:
-            return rule.orthogonalize(u, m.qkv_split)
-
-        updates = self.exchange.run(directions, orthogonalize, self.step.device, dtype=torch.float64)
+        updates = self.exchange.run(directions, self._orthogonalize, self.step.device, dtype=torch.float64)
         matrices = {m.key: m for m in self.exchange.matrices}
         relative = ns_relative_error(rule.fp32_matmul_prec, self.step.device)
         out = []
@@ -117,10 +112,31 @@ class WholeTensorLeaf(OptimizerLeaf):
                 a, e = pc.shard_range.start, pc.shard_range.end
                 key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
                 group = self.param_groups[gid]
-                o_tol = relative * o_norm_bound(rule, matrices[key].shape, matrices[key].qkv_split)
+                m = matrices[key]
+                o_tol = relative * o_norm_bound(rule, m.shape, m.qkv_split,
+                                                m.tensor_split.multiple() if m.tensor_split else (1, 1))
                 w[a:e], dw[a:e] = recompute_master(w0[a:e].double(), updates[key], float(group["lr"]),
                                                    float(group["weight_decay"]), o_tol)
             out.append(Float64Update({"master": w, "momentum_buffer": b}, {"master": dw, "momentum_buffer": db}))
+        return out
+
+    def _orthogonalize(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[torch.Tensor]:
+        """O of every homed matrix (in matrix order): alone on its block, or across TP in the rule's
+        tp_mode, one batch per TP group (a collective: the group's ranks home the same matrices)."""
+        rule: Muon = self.rule
+        out: list[Optional[torch.Tensor]] = [None] * len(items)
+        batches: dict[int, list[int]] = {}
+        for i, (u, m) in enumerate(items):
+            if m.tensor_split is not None:
+                batches.setdefault(id(m.tensor_split.group), []).append(i)
+        for indices in batches.values():  # the collectives first: a local failure below leaves no peer waiting
+            done = orthogonalize_split(rule, [(items[i][0], items[i][1].qkv_split, items[i][1].tensor_split)
+                                              for i in indices])
+            for i, o in zip(indices, done):
+                out[i] = o
+        for i, (u, m) in enumerate(items):
+            if m.tensor_split is None:
+                out[i] = rule.orthogonalize(u, m.qkv_split)
         return out
 
     def _owned_with_source(self):

@@ -8,6 +8,12 @@ step is two ``all_to_all_single`` calls over the group (the owners' pieces to th
 slices back), whose split sizes are fixed when the stage is built, and issued by every rank whether
 or not it sends anything, so no rank waits on a collective another rank skips. A failure while a
 home orthogonalises is held until both collectives ran, then raised (the step driver agrees on it).
+
+Under tensor parallelism each TP rank runs its own exchange over its own data-parallel group, on its
+TP-local blocks. The layouts are the same on every TP rank, so a matrix's home DP rank is too (checked
+over the TP group when the exchange is built): the homes of one matrix form a TP group, and the
+``orthogonalize`` callable may run TP collectives among them (tensor_parallel_newton_schulz.py), in
+matrix order, every TP rank of the home with the same matrices.
 """
 from __future__ import annotations
 
@@ -20,9 +26,13 @@ from .. import collectives
 from ..distributed.shard_view import LocalShard
 from ..errors import InvalidConfigError, UnsupportedConfigError
 from .muon_homes import MatrixPlacement, assign_homes
+from .tensor_parallel_newton_schulz import TensorSplit
 
 MatrixKey = tuple[int, int, int, int]  # (model chunk, buffer, bucket, param index): the same on every rank
-Orthogonalize = Callable[[torch.Tensor, "Matrix"], torch.Tensor]
+# Every homed matrix's O from its U (TP-local block), in matrix order: a collective over the TP group
+# for matrices orthogonalised across TP.
+Orthogonalize = Callable[[Sequence[tuple[torch.Tensor, "Matrix"]]], list[torch.Tensor]]
+TensorSplitOf = Callable[[torch.nn.Parameter, LocalShard], Optional[TensorSplit]]
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,7 @@ class Matrix:
     ranges: tuple[tuple[int, int], ...]  # per DP rank: the flat param range it owns ((0, 0): none)
     home: int
     qkv_split: Optional[tuple[int, ...]] = None
+    tensor_split: Optional[TensorSplit] = None  # orthogonalised across TP (None: on the local block alone)
 
     def owned(self, rank: int) -> int:
         start, end = self.ranges[rank]
@@ -50,9 +61,11 @@ class MatrixExchange:
 
     def __init__(self, shards: Sequence[tuple[int, LocalShard]], selects: Callable[[torch.nn.Parameter], bool],
                  qkv_split_of: Callable[[str, torch.nn.Parameter], Optional[tuple[int, ...]]],
-                 pieces_of: Callable[[tuple[int, int], Optional[tuple[int, ...]]], int], ns_steps: int) -> None:
+                 pieces_of: Callable[[tuple[int, int], Optional[tuple[int, ...]]], int], ns_steps: int,
+                 tensor_split_of: Optional[TensorSplitOf] = None) -> None:
         """``shards``: (model chunk index, shard) for every published shard (also those holding no piece
-        here); ``selects``: which params are matrices of this stage."""
+        here); ``selects``: which params are matrices of this stage; ``tensor_split_of``: which are
+        orthogonalised across tensor parallelism, and how (None: none)."""
         groups = {id(s.group) for _, s in shards}
         if len(groups) > 1:
             raise UnsupportedConfigError("whole-tensor rules over shards of several data-parallel groups (expert "
@@ -67,10 +80,12 @@ class MatrixExchange:
         self.rank = shards[0][1].rank if (shards and self.sharded) else 0
         mine: dict[MatrixKey, tuple[int, int]] = {}
         described: dict[MatrixKey, tuple[str, torch.nn.Parameter]] = {}
+        tensor_splits: dict[MatrixKey, Optional[TensorSplit]] = {}
         for chunk, s in shards:
             for i in sorted(s.params):
                 if selects(s.params[i]):
                     described[piece_key(chunk, s, i)] = (s.names[i], s.params[i])
+                    tensor_splits[piece_key(chunk, s, i)] = tensor_split_of(s.params[i], s) if tensor_split_of else None
             for pc in s.pieces:
                 mine[piece_key(chunk, s, pc.param_index)] = (pc.param_range.start, pc.param_range.end)
         keys = sorted(described)
@@ -93,8 +108,9 @@ class MatrixExchange:
                                       pieces=pieces_of(shape, split))
                       for j, (shape, split) in enumerate(zip(shapes, splits))]
         homes = assign_homes(placements, self.size, ns_steps) if placements else []
-        self.matrices = [Matrix(k, described[k][0], shapes[j], tuple(r[j] for r in everyone), homes[j], splits[j])
-                         for j, k in enumerate(keys)]
+        self.matrices = [Matrix(k, described[k][0], shapes[j], tuple(r[j] for r in everyone), homes[j], splits[j],
+                                tensor_splits[k]) for j, k in enumerate(keys)]
+        self._check_tensor_parallel_peers()
         r = self.rank
         self._sent = [m for m in self.matrices if m.home != r and m.owned(r)]  # my pieces, to their homes
         self._homed = [m for m in self.matrices if m.home == r]
@@ -115,6 +131,7 @@ class MatrixExchange:
         returned: list[list[torch.Tensor]] = [[] for _ in range(self.size)]
         failure: Optional[BaseException] = None
         offsets = self._offsets(self.output_splits)
+        fulls = []
         for m in self._homed:
             full = torch.zeros(m.shape[0] * m.shape[1], dtype=dtype, device=device)
             for s, (start, end) in enumerate(m.ranges):
@@ -125,11 +142,12 @@ class MatrixExchange:
                 else:
                     full[start:end] = received[offsets[s]:offsets[s] + end - start]
                     offsets[s] += end - start
-            if failure is None:
-                try:
-                    full = orthogonalize(full.view(m.shape), m).reshape(-1)
-                except Exception as exc:  # noqa: BLE001  (raised after the return trip, on every rank by the driver)
-                    failure = exc
+            fulls.append(full)
+        try:
+            fulls = [o.reshape(-1) for o in orthogonalize([(f.view(m.shape), m) for f, m in zip(fulls, self._homed)])]
+        except Exception as exc:  # noqa: BLE001  (raised after the return trip, on every rank by the driver)
+            failure = exc
+        for m, full in zip(self._homed, fulls):
             for s, (start, end) in enumerate(m.ranges):
                 if end > start:
                     if s == r:
@@ -145,6 +163,21 @@ class MatrixExchange:
         if failure is not None:
             raise failure
         return out
+
+    def _check_tensor_parallel_peers(self) -> None:
+        """The TP ranks holding blocks of the same matrices must agree on them and on their homes (the
+        TP collectives of the duplicated / distributed modes run among the homes): one agree per TP group."""
+        by_group: dict[int, list[Matrix]] = {}
+        for m in self.matrices:
+            if m.tensor_split is not None:
+                by_group.setdefault(id(m.tensor_split.group), []).append(m)
+        for ms in by_group.values():
+            collectives.agree("the whole-tensor stage's TP-split matrices", None, ms[0].tensor_split.group,
+                              fingerprint=[(m.name, (m.key, m.shape, m.home, m.tensor_split.partition_dim,
+                                                     m.tensor_split.size)) for m in ms],
+                              error_type=InvalidConfigError,
+                              fix="the tensor-parallel ranks must hold the same model split the same way, with "
+                                  "the same data-parallel layout (bucket sizes, padding).")
 
     def _pack_to_homes(self, directions: dict[MatrixKey, torch.Tensor], device: torch.device,
                        dtype: torch.dtype) -> torch.Tensor:

@@ -167,11 +167,11 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
 
 
 
-def refused(kind: str) -> str:
+def refused(kind: str, tp_mode: str = "blockwise") -> str:
     """What is not implemented for Muon yet is refused by name, on every rank alike, before any collective."""
     model = MuonNet()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
-    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True)
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=0.01, use_distributed_optimizer=True, muon_tp_mode=tp_mode)
     extra = {}
     if kind == "tensor_parallel_group":
         extra["tensor_parallel_group"] = dist.new_group(list(range(dist.get_world_size())))

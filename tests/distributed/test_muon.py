@@ -74,10 +74,16 @@ def test_muon_skipped_step_changes_nothing(pools):
         assert max(max(e.values()) for e in res["momentum_err"]) <= FP32["momentum"]
 
 
-@pytest.mark.parametrize("kind, named", [("tensor_parallel_group", "tensor_parallel_group")])
-def test_muon_refuses_what_is_not_implemented_yet(pools, kind, named):
-    for message in pools(2).run(cases_muon.refused, kind, timeout=TIMEOUT):
-        assert "data parallelism only" in message and named in message
+@pytest.mark.parametrize("kind, tp_mode, named", [("tensor_parallel_group", "duplicated", "tensor_parallel_group"),
+                                                  ("tensor_parallel_group", "blockwise", None)])
+def test_muon_refuses_what_is_not_implemented_yet(pools, kind, tp_mode, named):
+    """A TP group given by keyword only (the model wrapped without one) is enough for blockwise Muon (which
+    talks to no TP peer), not for the modes that orthogonalise across the TP group."""
+    for message in pools(2).run(cases_muon.refused, kind, tp_mode, timeout=TIMEOUT):
+        if named is None:
+            assert message == "not refused", message
+        else:
+            assert f"muon_tp_mode={tp_mode!r}" in message and named in message, message
 
 
 def test_muon_update_failure_on_one_rank_raises_everywhere(pools):

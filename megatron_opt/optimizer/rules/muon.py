@@ -14,6 +14,10 @@ NS: X = U / max(||U||_F, 1e-7) in its wide orientation (transposed when rows > c
 ``fp32_matmul_prec='medium'`` runs the iteration in bf16 (as megatron-core does, on the CPU too);
 'high' / 'highest' in fp32 (torch's float32 matmul precision set around it: TF32 for 'high' on GPU).
 scale: spectral sqrt(max(m, n)); unit_rms_norm sqrt(m/n); shape_scaling sqrt(max(1, m/n)).
+
+Under tensor parallelism (``tp_mode``): ``blockwise`` runs part 2 on the TP-local block (pieces and
+scale from the local shape); ``duplicated`` and ``distributed`` orthogonalise the full matrix of each
+piece across the TP ranks (scale from the full shape): optimizer/tensor_parallel_newton_schulz.py.
 """
 from __future__ import annotations
 
@@ -60,7 +64,7 @@ def scale_factor(rows: int, cols: int, mode: str) -> float:
 
 
 @contextlib.contextmanager
-def _float32_matmul_precision(precision: str) -> Iterator[None]:
+def float32_matmul_precision(precision: str) -> Iterator[None]:
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(precision)
     try:
@@ -77,7 +81,7 @@ def newton_schulz(u: torch.Tensor, steps: int, precision: str = "high") -> torch
     x = x / x.norm().clamp_min(NS_EPS)
     if precision == "medium" and x.dtype == torch.float32:
         x = x.to(torch.bfloat16)
-    with _float32_matmul_precision(precision if precision in MATMUL_PRECISIONS else "highest"):
+    with float32_matmul_precision(precision if precision in MATMUL_PRECISIONS else "highest"):
         for i in range(steps):
             a, b, c = QUINTIC[i % len(QUINTIC)]
             gram = x @ x.T
@@ -97,6 +101,7 @@ class Muon(UpdateRule):
     extra_scale_factor: float = 1.0
     split_qkv: bool = True
     fp32_matmul_prec: str = "medium"
+    tp_mode: str = "blockwise"
     name: ClassVar[str] = "muon"
     needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
 
@@ -110,6 +115,8 @@ class Muon(UpdateRule):
         if self.fp32_matmul_prec not in MATMUL_PRECISIONS:
             raise InvalidConfigError(f"muon_fp32_matmul_prec={self.fp32_matmul_prec!r}: use one of "
                                      f"{MATMUL_PRECISIONS}.")
+        if self.tp_mode not in TP_MODES:
+            raise InvalidConfigError(f"muon_tp_mode={self.tp_mode!r}: use one of {TP_MODES}.")
 
     @classmethod
     def from_config(cls, config: Any) -> "Muon":
@@ -118,7 +125,8 @@ class Muon(UpdateRule):
                                          f"is implemented.")
         return cls(momentum=config.muon_momentum, nesterov=config.muon_nesterov, num_ns_steps=config.muon_num_ns_steps,
                    scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
-                   split_qkv=config.muon_split_qkv, fp32_matmul_prec=config.muon_fp32_matmul_prec)
+                   split_qkv=config.muon_split_qkv, fp32_matmul_prec=config.muon_fp32_matmul_prec,
+                   tp_mode=config.muon_tp_mode)
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32}
@@ -147,22 +155,33 @@ class Muon(UpdateRule):
     def orthogonalize(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]] = None) -> torch.Tensor:
         """O of a whole matrix ``u`` (fp32 in, fp32 out; float64 in, float64 out): per piece (the matrix,
         or its Q, K and V rows across all query groups) NS times its scale, times the extra scale."""
+        outs = [newton_schulz(piece, self.num_ns_steps, self.fp32_matmul_prec) * self.scale(*piece.shape)
+                for piece in self.split_pieces(u, qkv_split)]
+        return self.join_pieces(outs, u, qkv_split)
+
+    def scale(self, rows: int, cols: int) -> float:
+        """The scale of an orthogonalised piece of (rows, cols), the extra scale factor included."""
+        return scale_factor(rows, cols, self.scale_mode) * self.extra_scale_factor
+
+    def split_pieces(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]]) -> list[torch.Tensor]:
+        """The independently orthogonalised pieces of ``u``: itself, or with a QKV split its Q, K and V
+        rows across all query groups (each a 2-D (groups * rows, cols) matrix, groups in order)."""
         split = tuple(qkv_split) if (self.split_qkv and qkv_split is not None) else None
-        precision = self.fp32_matmul_prec
         if split is None:
-            out = newton_schulz(u, self.num_ns_steps, precision) * scale_factor(*u.shape, self.scale_mode)
-        else:
-            rows_per_group, cols = sum(split), u.shape[1]
-            grouped = u.reshape(u.shape[0] // rows_per_group, rows_per_group, cols)
-            out = torch.empty_like(grouped)
-            start = 0
-            for rows in split:
-                piece = grouped[:, start:start + rows].reshape(-1, cols)
-                orth = newton_schulz(piece, self.num_ns_steps, precision) * scale_factor(*piece.shape, self.scale_mode)
-                out[:, start:start + rows] = orth.reshape(grouped.shape[0], rows, cols)
-                start += rows
-            out = out.reshape(u.shape)
-        return out * self.extra_scale_factor if self.extra_scale_factor != 1.0 else out
+            return [u]
+        rows_per_group, cols = sum(split), u.shape[1]
+        grouped = u.reshape(u.shape[0] // rows_per_group, rows_per_group, cols)
+        starts = [sum(split[:i]) for i in range(len(split))]
+        return [grouped[:, s:s + rows].reshape(-1, cols) for s, rows in zip(starts, split)]
+
+    def join_pieces(self, outs: Sequence[torch.Tensor], u: torch.Tensor,
+                    qkv_split: Optional[Sequence[int]]) -> torch.Tensor:
+        """The inverse of ``split_pieces``: the pieces' results back in ``u``'s layout."""
+        split = tuple(qkv_split) if (self.split_qkv and qkv_split is not None) else None
+        if split is None:
+            return outs[0]
+        groups, cols = u.shape[0] // sum(split), u.shape[1]
+        return torch.cat([o.reshape(groups, rows, cols) for o, rows in zip(outs, split)], dim=1).reshape(u.shape)
 
     def pieces(self, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> int:
         """Independent Newton-Schulz problems in one matrix (3 with a QKV split)."""
@@ -217,12 +236,16 @@ def recompute_momentum(rule: Muon, g: torch.Tensor, b0: torch.Tensor
     return b, db, u
 
 
-def o_norm_bound(rule: Muon, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> float:
-    """An upper bound on ||O||_F of one matrix: per piece, scale^2 * min(m, n) * sigma_max^2."""
+def o_norm_bound(rule: Muon, shape: Sequence[int], qkv_split: Optional[Sequence[int]],
+                 scale_multiple: Sequence[int] = (1, 1)) -> float:
+    """An upper bound on ||O||_F of one matrix of ``shape``: per piece, scale^2 * min(m, n) * sigma_max^2.
+    ``scale_multiple``: how many times each dimension the orthogonalised matrix is (a TP-local block of
+    a matrix orthogonalised whole: its scale is the full matrix's, its norm at most the block's)."""
     split = tuple(qkv_split) if (rule.split_qkv and qkv_split is not None) else None
     rows, cols = shape
     pieces = [(rows // sum(split) * r, cols) for r in split] if split else [(rows, cols)]
-    total = sum(scale_factor(m, n, rule.scale_mode) ** 2 * min(m, n) for m, n in pieces)
+    fr, fc = scale_multiple
+    total = sum(scale_factor(m * fr, n * fc, rule.scale_mode) ** 2 * min(m, n) for m, n in pieces)
     return NS_SINGULAR_VALUE_MAX * abs(rule.extra_scale_factor) * total ** 0.5
 
 
@@ -234,5 +257,5 @@ def recompute_master(w0: torch.Tensor, o: torch.Tensor, lr: float, weight_decay:
     return decayed - lr * o, rounding_bound(decayed, lr * o) + lr * o_tolerance
 
 
-__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error", "newton_schulz", "scale_factor", "qkv_split_of", "QUINTIC", "NS_EPS", "SCALE_MODES",
+__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error", "newton_schulz", "scale_factor", "qkv_split_of", "float32_matmul_precision", "QUINTIC", "NS_EPS", "SCALE_MODES",
            "MATMUL_PRECISIONS", "TP_MODES", "QKV_SPLIT_ATTR"]
