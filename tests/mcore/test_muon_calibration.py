@@ -23,8 +23,9 @@ At TP2 (DP1), same settings, rank 0's slices (blockwise / duplicated):
   max |param - float64|            1.5e-6 / 1.8e-6   2.9e-6 / 2.0e-6    3.0e-6 / 2.2e-6    2.5e-6 / 2.2e-6
   momentum, max rel                5.3e-7 / 4.5e-7   3.9e-7 / 5.9e-7    4.9e-7 / 4.5e-7    4.7e-7 / 4.5e-7
 So both are fp32 arithmetic away from float64 (a float32 run of the reference lands at the same
-distances). Bounds: ours within FACTOR x megatron-core's (or the fp32 reference's, the larger) and
-ours vs core within the absolute bounds below (~4x the largest figure).
+distances). Bounds: ours from float64, and ours from megatron-core's, each within FACTOR x megatron-core's
+distance from float64 (or the fp32 reference's, the larger): relative, since more Newton-Schulz steps
+amplify every fp32 rounding alike (7 steps: ours vs core 3.8e-5 on the Muon params).
 'medium' (megatron-core's default: Newton-Schulz in bf16) rounds each run on its own: megatron-core 2.4e-2
 from float64, megatron_opt 3.5e-2, ours vs core 4.0e-2 (two independent bf16 roundings differ by ~sqrt(2)
 of each one's error); bound: ours <= BF16_FACTOR x core's and <= 6e-2 (tests/mcore/test_muon_reference.py's
@@ -51,7 +52,6 @@ OURS, CORE = "megatron_opt", "megatron_core"
 TIMEOUT = 300
 FACTOR = 3.0  # ours' distance from float64 within this many times megatron-core's (or the fp32 reference's)
 CORE_UPDATE_ERROR = 1e-4  # megatron-core's own Muon vs float64 (tests/mcore/test_muon_reference.py's bound)
-VS_CORE = dict(update_error=4e-5, muon_update_error=1.5e-5, param_abs=1.5e-5, momentum_rel=2e-6)
 NORM_RTOL, LOSS_ATOL = 1e-6, 1e-6
 BF16_FACTOR = 2.5
 BF16_UPDATE_ERROR = 6e-2
@@ -84,7 +84,8 @@ def check_within_calibration(results: list) -> None:
         for key in ("update_error", "muon_update_error", "param_abs", "momentum_rel"):
             allowed = FACTOR * max(r[CORE][key], r["fp32_torch"][key])
             assert r[OURS][key] <= allowed, f"rank {rank}: {key} {r[OURS][key]:.3g} > {FACTOR} x calibration {allowed / FACTOR:.3g}"
-            assert r["ours_vs_core"][key] <= VS_CORE[key], f"rank {rank}: ours vs core {key} {r['ours_vs_core'][key]:.3g}"
+            # Two fp32 runs each this far from float64 are at most about twice that apart.
+            assert r["ours_vs_core"][key] <= allowed, f"rank {rank}: ours vs core {key} {r['ours_vs_core'][key]:.3g}"
 
 
 DP2_CASES = {
