@@ -129,9 +129,15 @@ def muon_tolerance(c: dict) -> dict:
     if c["precision"] == "bf16":
         bound = dict(update=0.6, momentum=0.1, norm=3e-2)
         return bound if c["grad_fp32"] else {k: 2 * v for k, v in bound.items()}
+    if c["matmul_prec"] == "medium" and c["ns_steps"] > 5:
+        # bf16 Newton-Schulz past 5 steps: megatron-core's own Muon is 0.25 from float64 on the GPT harness
+        # (0.024 at 5 steps; ours 0.26, tests/mcore/test_muon_calibration.py); per param up to 0.98 here.
+        return dict(update=0.6, momentum=0.1, norm=3e-2)
     if c["matmul_prec"] == "medium":
         return dict(param=0.15, momentum=1e-2, norm=1e-2)
-    return dict(param=3e-5, momentum=3e-6, norm=1e-6)
+    # More Newton-Schulz steps amplify the fp32 roundings: megatron-core's own Muon is 10x further from
+    # float64 at 7 steps than at 5 (docs/muon.md); 7 steps here measured 1.1e-4 of a param's change.
+    return dict(param=3e-5 if c["ns_steps"] <= 5 else 3e-4, momentum=3e-6, norm=1e-6)
 
 
 @pytest.mark.timeout(600)
