@@ -136,8 +136,10 @@ def muon_tolerance(c: dict) -> dict:
     if c["matmul_prec"] == "medium":
         return dict(param=0.15, momentum=1e-2, norm=1e-2)
     # More Newton-Schulz steps amplify the fp32 roundings: megatron-core's own Muon is 10x further from
-    # float64 at 7 steps than at 5 (docs/muon.md); 7 steps here measured 1.1e-4 of a param's change.
-    return dict(param=3e-5 if c["ns_steps"] <= 5 else 3e-4, momentum=3e-6, norm=1e-6)
+    # float64 at 7 steps than at 5 (docs/muon.md); 7 steps here measured 1.1e-4 of a param's change, and
+    # the later grads see it (momentum 3.5e-6).
+    amplified = 1 if c["ns_steps"] <= 5 else 10
+    return dict(param=3e-5 * amplified, momentum=3e-6 * amplified, norm=1e-6 * amplified)
 
 
 @pytest.mark.timeout(600)
