@@ -2,14 +2,17 @@
 features that compose in a step (DP size, partial sharding, param and state precision, overlap,
 buckets, loss normalisation, clipping, update rule, dense + expert chain) trained for a few steps
 with verify mode raising at every step, against the single-process float64 reference of
-cases_parity (MasterWeightReference)."""
+cases_parity (MasterWeightReference); and the Muon axis (run_muon_combination) against
+tests/support/reference_muon.py."""
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
+from tests.distributed import cases_muon
 from tests.distributed.cases_parity import MasterWeightReference
+from tests.support import reference_muon as rm
 from tests.support.common import (TinyLM, assert_identical_across_ranks, flat_params, global_batch, microbatch_contexts,
                     rank_microbatches, rel_l2, token_loss_sum, train_with_reference)
 
@@ -111,4 +114,97 @@ def run_combination(c: dict) -> dict:
     return {"error": None, "errors": errors, "verified": report.verified_steps, "kind": type(opt).__name__}
 
 
-__all__ = ["run_combination", "STATES"]
+
+
+# ----------------------------------------------------------------------------- the Muon axis
+def _muon_loss(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(x).reshape(-1, cases_muon.VOCAB).float(), t.reshape(-1))
+
+
+def _whole_state(opt, state: str, shapes: dict) -> dict[str, torch.Tensor]:
+    """Whole tensors of ``state`` ('master', 'momentum_buffer') from every rank's state_dict part (its
+    owned ranges). (Not gather_main_params: under Muon's chain at DP 4 it returned stale values for
+    matrices straddling the shards, which the state_dict and the model params do not show.)"""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, opt.state_dict()["state"].get(state, {}))
+    out = {}
+    for name, shape in shapes.items():
+        full = torch.full((int(torch.Size(shape).numel()),), float("nan"), dtype=torch.float64)
+        for part in parts:
+            if name in part:
+                values = part[name]["values"].double()
+                full[part[name]["start"]:part[name]["start"] + values.numel()] = values
+        out[name] = full.view(shape)
+    return out
+
+
+def run_muon_combination(c: dict) -> dict:
+    """Train Muon combination ``c`` (cases_muon.MuonNet: a split QKV matrix and matrices straddling the
+    shards) with verify mode raising at every step, against tests/support/reference_muon.py in float64 on
+    the same global batch; per step the worst param error (relative to the reference's change since the
+    start; the fp32 masters), the whole model's (update: rel L2 over all params), the worst momentum error
+    (relative) and the grad-norm error, or the error (type: message) if one was raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(c["seed"])
+    model = cases_muon.MuonNet()
+    if c["precision"] == "bf16":
+        model = model.bfloat16()
+        model.emb.weight.is_embedding_or_output_parameter = True
+        model.attn.linear_qkv.weight.qkv_split_shapes = cases_muon.SPLIT
+    ref = cases_muon.MuonNet()
+    ref.load_state_dict(model.state_dict())  # from the (rounded) weights the ranks start from
+    ref = ref.double()
+    opt_kw = dict(momentum=c["momentum"], nesterov=c["nesterov"], num_ns_steps=c["ns_steps"],
+                  scale_mode=c["scale_mode"], extra_scale_factor=c["extra_scale"], split_qkv=c["split_qkv"])
+    reference = rm.reference_muon(ref, c["lr"], c["wd"], split_shapes=cases_muon.SPLIT, **opt_kw)
+    ref_params = dict(ref.named_parameters())
+    initial = {n: p.detach().clone() for n, p in ref_params.items()}
+    muon_names = sorted(n for n, p in model.named_parameters() if rm.uses_muon(p))
+    out = dict(error=None, param=[], update=[], momentum=[], norm=[], verified=None)
+    try:
+        ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+            use_distributed_optimizer=c["sharded"], grad_reduce_in_fp32=c["grad_fp32"], overlap_grad_reduce=c["overlap"],
+            overlap_param_gather=c["overlap"] and c["sharded"], bucket_size=c["bucket_size"]))
+        opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
+            optimizer="muon", lr=c["lr"], weight_decay=c["wd"], clip_grad=c["clip_grad"], bf16=c["precision"] == "bf16",
+            use_distributed_optimizer=c["sharded"], muon_momentum=c["momentum"], muon_nesterov=c["nesterov"],
+            muon_num_ns_steps=c["ns_steps"], muon_scale_mode=c["scale_mode"], muon_extra_scale_factor=c["extra_scale"],
+            muon_split_qkv=c["split_qkv"], muon_fp32_matmul_prec=c["matmul_prec"], verify_interval=1,
+            verify_action="raise"), ddp)
+        for step in range(c["steps"]):
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            for i, ctx in enumerate(microbatch_contexts(ddp, c["ga"])):
+                with ctx:
+                    (_muon_loss(ddp, *cases_muon.batch(c["seed"] + 100 * step + i, rank)) / c["ga"]).backward()
+            success, norm, _ = opt.step()
+            assert success, f"step {step} skipped unexpectedly"
+            reference.zero_grad()
+            for r in range(world):
+                for i in range(c["ga"]):
+                    (_muon_loss(ref, *cases_muon.batch(c["seed"] + 100 * step + i, r)) / (world * c["ga"])).backward()
+            clip = c["clip_grad"] if c["clip_grad"] > 0 else float("inf")
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+            reference.step()
+            if ddp.ddp_config.overlap_param_gather:
+                ddp.finish_param_sync()
+            out["norm"].append(abs(norm - ref_norm) / ref_norm)
+            # The fp32 masters: bf16 params would add their rounding (2^-9 |W|) to a small change.
+            masters = _whole_state(opt, "master", {n: tuple(p.shape) for n, p in ref_params.items()})
+            diff = {n: (masters[n].double() - ref_params[n].detach(), ref_params[n].detach() - initial[n])
+                    for n in ref_params}
+            out["param"].append(max(float(d.norm() / change.norm().clamp_min(1e-30)) for d, change in diff.values()))
+            out["update"].append(float(sum(d.norm() ** 2 for d, _ in diff.values()).sqrt() /
+                                       sum(change.norm() ** 2 for _, change in diff.values()).sqrt()))
+            momentum = _whole_state(opt, "momentum_buffer", {n: tuple(ref_params[n].shape) for n in muon_names})
+            out["momentum"].append(max(float((momentum[n] - reference.state[ref_params[n]]["momentum_buffer"]).norm() /
+                                             reference.state[ref_params[n]]["momentum_buffer"].norm())
+                                       for n in muon_names))
+        assert_identical_across_ranks(flat_params(model))
+        out["verified"] = opt.verify_report.verified_steps
+    except (AssertionError, mo.MegatronOptError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+__all__ = ["run_combination", "run_muon_combination", "STATES"]
