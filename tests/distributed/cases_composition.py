@@ -14,7 +14,7 @@ from tests.distributed import cases_muon
 from tests.distributed.cases_parity import MasterWeightReference
 from tests.support import reference_muon as rm
 from tests.support.common import (TinyLM, assert_identical_across_ranks, flat_params, global_batch, microbatch_contexts,
-                    rank_microbatches, rel_l2, token_loss_sum, train_with_reference)
+                    rank_microbatches, rel_l2, token_loss_sum, train_with_reference, whole_from_parts)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BF16, FP16 = torch.bfloat16, torch.float16
@@ -123,19 +123,10 @@ def _muon_loss(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor) -> torc
 
 def _whole_state(opt, state: str, shapes: dict) -> dict[str, torch.Tensor]:
     """Whole tensors of ``state`` ('master', 'momentum_buffer') from every rank's state_dict part (its
-    owned ranges). (Not gather_main_params: under Muon's chain at DP 4 it returned stale values for
-    matrices straddling the shards, which the state_dict and the model params do not show.)"""
+    owned ranges), as saved."""
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, opt.state_dict()["state"].get(state, {}))
-    out = {}
-    for name, shape in shapes.items():
-        full = torch.full((int(torch.Size(shape).numel()),), float("nan"), dtype=torch.float64)
-        for part in parts:
-            if name in part:
-                values = part[name]["values"].double()
-                full[part[name]["start"]:part[name]["start"] + values.numel()] = values
-        out[name] = full.view(shape)
-    return out
+    return whole_from_parts(parts, shapes)
 
 
 def run_muon_combination(c: dict) -> dict:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import megatron_opt as mo
 from tests.support import reference_muon as rm
+from tests.support.common import whole_from_parts
 
 VOCAB, HIDDEN, FFN, SEQ, BATCH = 32, 16, 24, 6, 3
 HEADS, GROUPS, KV = 4, 2, 4  # linear_qkv.weight: 2 groups x (8 q + 4 k + 4 v) rows = 32 rows
@@ -65,15 +66,7 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
     """Whole tensors of state ``name`` from every rank's state_dict part (an all_gather_object)."""
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, state_dict["state"].get(name, {}))
-    out = {}
-    for key, shape in shapes.items():
-        full = torch.full((int(torch.tensor(shape).prod()),), float("nan"), dtype=torch.float64)
-        for part in parts:
-            if key in part:
-                v = part[key]["values"].double()
-                full[part[key]["start"]: part[key]["start"] + v.numel()] = v
-        out[key] = full.view(shape)
-    return out
+    return whole_from_parts(parts, shapes)
 
 
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,

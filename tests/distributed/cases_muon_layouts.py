@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import megatron_opt as mo
 from tests.distributed.cases_muon import SPLIT, VOCAB, HIDDEN, MuonNet, batch
 from tests.support import reference_muon as rm
-from tests.support.common import assert_identical_across_ranks, flat_params
+from tests.support.common import assert_identical_across_ranks, flat_params, whole_from_parts
 
 LR, WD, CLIP = 0.02, 0.1, 0.5
 EXPERT_FFN = 20
@@ -88,19 +88,6 @@ class ReferenceEP(torch.nn.Module):
         return _loss(_logits_with(self.dense, self.experts[rank % ep], x), t)
 
 
-def _assemble(parts: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
-    """Whole tensors from state_dict parts ({name: {'start', 'values'}}) of ranks that together own them."""
-    out = {}
-    for key, shape in shapes.items():
-        full = torch.full((int(torch.tensor(shape).prod()),), float("nan"), dtype=torch.float64)
-        for part in parts:
-            if key in part:
-                v = part[key]["values"].double()
-                full[part[key]["start"]: part[key]["start"] + v.numel()] = v
-        out[key] = full.view(shape)
-    return out
-
-
 def _model_names(part: dict) -> dict:
     """state_dict names without the ``chunk<i>.`` prefix several model chunks add."""
     return {re.sub(r"^chunk\d+\.", "", n): v for n, v in part.items()}
@@ -163,7 +150,7 @@ def _train(ddp, model, opt, ref, reference, steps, losses, loss, shard_coords, e
         dist.all_gather_object(parts, (expert_of(None) if expert_of else 0, part))
         mine = expert_of(None) if expert_of else 0
         # dense params from every rank; an expert param from the ranks of this rank's expert DP group
-        momentum = _assemble([{n: v for n, v in p.items() if tag == mine or not n.startswith("experts.")}
+        momentum = whole_from_parts([{n: v for n, v in p.items() if tag == mine or not n.startswith("experts.")}
                               for tag, p in parts], {n: shapes[n] for n in muon_names})
         out["momentum_err"].append({n: float((momentum[n] - reference.state[ref_params[ref_name(n)]]["momentum_buffer"])
                                              .norm() / reference.state[ref_params[ref_name(n)]]["momentum_buffer"].norm())

@@ -58,18 +58,7 @@ def _momentum_by_param(opt, ddps: list) -> dict:
         parts = [None] * dist.get_world_size(group)
         dist.all_gather_object(parts, part, group=group)
         gathered[expert] = parts
-    out = {}
-    for c, ddp in enumerate(ddps):
-        for name, p in ddp.module.named_parameters():
-            key = name if len(ddps) == 1 else f"chunk{c}.{name}"
-            pieces = [q[key] for q in gathered[_is_expert(p)] if key in q]
-            if not pieces:
-                continue
-            full = torch.full((p.numel(),), float("nan"), dtype=torch.float64)
-            for piece in pieces:
-                full[piece["start"]:piece["start"] + piece["values"].numel()] = piece["values"].double()
-            out[id(p)] = full.view(p.shape)
-    return out
+    return cmm.whole_by_param(ddps, lambda p: gathered[_is_expert(p)])
 
 
 def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", ga: int = 2, mb: int = 2,

@@ -23,6 +23,7 @@ from tests.mcore import cases_model_parallel as cmp
 from tests.mcore import mcore_cpu
 from tests.mcore.mcore_cpu import cpu_megatron_core, token_losses
 from tests.support import reference_muon as rm
+from tests.support.common import whole_from_parts
 
 import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
@@ -153,17 +154,19 @@ def _momentum_by_param(opt, ddps: list) -> dict:
     parts = [None] * parallel_state.get_data_parallel_world_size()
     dist.all_gather_object(parts, opt.state_dict()["state"].get("momentum_buffer", {}),
                            group=parallel_state.get_data_parallel_group())
+    return whole_by_param(ddps, lambda p: parts)
+
+
+def whole_by_param(ddps: list, parts_of) -> dict:
+    """{id(param): its whole (TP-local) tensor} for each local param that ``parts_of(param)`` (state_dict
+    parts of the ranks that together own it) holds, keyed as the state_dict keys it."""
     out = {}
     for c, ddp in enumerate(ddps):
         for name, p in ddp.module.named_parameters():
             key = name if len(ddps) == 1 else f"chunk{c}.{name}"
-            pieces = [part[key] for part in parts if key in part]
-            if not pieces:
-                continue
-            full = torch.full((p.numel(),), float("nan"), dtype=torch.float64)
-            for piece in pieces:
-                full[piece["start"]:piece["start"] + piece["values"].numel()] = piece["values"].double()
-            out[id(p)] = full.view(p.shape)
+            parts = [part for part in parts_of(p) if key in part]
+            if parts:
+                out[id(p)] = whole_from_parts(parts, {key: tuple(p.shape)})[key]
     return out
 
 

@@ -135,6 +135,20 @@ def full_main_params(ddp: mo.DistributedDataParallel, opt) -> dict[str, torch.Te
     return opt.gather_main_params()
 
 
+def whole_from_parts(parts: list[dict], shapes: dict[str, tuple]) -> dict[str, torch.Tensor]:
+    """Whole float64 tensors (NaN where no part covers) from state_dict parts ({key: {"start", "values"}})
+    of the ranks that together own them."""
+    out = {}
+    for key, shape in shapes.items():
+        full = torch.full((torch.Size(shape).numel(),), float("nan"), dtype=torch.float64)
+        for part in parts:
+            if key in part:
+                values = part[key]["values"].double()
+                full[part[key]["start"]:part[key]["start"] + values.numel()] = values
+        out[key] = full.view(shape)
+    return out
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
