@@ -97,9 +97,11 @@ def _local_full_state(opt: Any, chunk: Any) -> dict[str, dict[str, torch.Tensor]
     return {state: {n: t.view(shapes[n]) for n, t in per.items()} for state, per in out.items()}
 
 
-def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
+def model_space_state(opt: Any, chunks: list, whole: dict, states_per_param: bool = False) -> Optional[dict]:
     """{state: {reference name: whole-model tensor}} on rank 0 (None elsewhere), plus the params
-    ('param') and the update counts; a collective over the world. NaN where no rank held an element."""
+    ('param') and the update counts; a collective over the world. NaN where no rank held an element.
+    ``states_per_param``: the params keep different states (a chain such as Muon's: momentum_buffer
+    for its matrices, the Adam moments for the rest), so a state a param does not keep is left out."""
     chunk = chunks[0]
     local = _local_full_state(opt, chunk)
     local["param"] = {n: p.detach().float() for n, p in chunk.named_parameters()}
@@ -111,6 +113,8 @@ def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
                 continue
             slices = cmp.tp_slices(whole[ref].shape, param) or [(0, 0, 0, param.shape[0] if param.dim() else 1)]
             for state, per in local.items():
+                if states_per_param and names[id(param)] not in per:
+                    continue
                 values = per[names[id(param)]]
                 for dim, start, local_start, size in slices:
                     mine.append((state, ref, tuple(whole[ref].shape), dim, start,

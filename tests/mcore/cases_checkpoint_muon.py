@@ -128,35 +128,9 @@ def state(opt: Any, chunks: list, whole: dict, layout_name: str) -> Optional[dic
 
 def model_space_state(opt: Any, chunks: list, whole: dict) -> Optional[dict]:
     """{state: {reference name: whole-model tensor}} on rank 0 (None elsewhere), 'param' and the update
-    counts: cases_checkpoint_model_parallel.model_space_state for a chain whose children keep different
-    states (momentum_buffer for the Muon params only, the Adam moments for the others)."""
-    chunk = chunks[0]
-    local = ccmp._local_full_state(opt, chunk)
-    local["param"] = {n: p.detach().float() for n, p in chunk.named_parameters()}
-    mine = []
-    if parallel_state.get_data_parallel_rank() == 0:
-        names = {id(p): n for n, p in chunk.named_parameters()}
-        for ref, param, counted in cmp.chunk_params(chunk, whole):
-            if not counted:
-                continue
-            slices = cmp.tp_slices(whole[ref].shape, param) or [(0, 0, 0, param.shape[0] if param.dim() else 1)]
-            for name, per in local.items():
-                values = per.get(names[id(param)])
-                if values is None:
-                    continue
-                for dim, start, local_start, size in slices:
-                    mine.append((name, ref, tuple(whole[ref].shape), dim, start, values.narrow(dim, local_start, size).clone()))
-    parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {"pieces": mine, "steps": opt.state_dict()["scalars"]["steps"]})
-    if dist.get_rank() != 0:
-        return None
-    out: dict = {}
-    for part in parts:
-        for name, ref, shape, dim, start, values in part["pieces"]:
-            out.setdefault(name, {}).setdefault(ref, torch.full(shape, float("nan"))).narrow(
-                dim, start, values.shape[dim]).copy_(values)
-    out["steps"] = sorted({tuple(p["steps"]) for p in parts})
-    return out
+    counts, for a chain whose children keep different states (momentum_buffer for the Muon params only,
+    the Adam moments for the others)."""
+    return ccmp.model_space_state(opt, chunks, whole, states_per_param=True)
 
 
 def _torch_dist_sd(chunks: list, opt: Any, is_loading: bool, kind: str) -> dict:

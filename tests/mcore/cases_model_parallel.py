@@ -15,7 +15,7 @@ import importlib
 import re
 import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -299,19 +299,25 @@ def update_error(chunks: list, whole: dict, init: dict) -> float:
 
 
 # ----------------------------------------------------------------------------- the case
-def _reference(layout: Layout, per_token: bool, steps: list, dp: int, global_batch: int) -> dict:
-    """Rank 0 trains the whole model in float64 (and in fp32, the plain-torch figure); every rank gets
-    the initial and final weights, losses and norms."""
+def computed_on_rank0(fn, *args) -> Any:
+    """``fn(*args)`` run on rank 0 and broadcast to every rank (a failure there raises on every rank,
+    instead of leaving the others in the broadcast)."""
     payload = [None]
     if dist.get_rank() == 0:
         try:
-            payload = [_train_reference(layout, per_token, steps, dp, global_batch)]
-        except Exception:  # tell the other ranks instead of leaving them in the broadcast
+            payload = [{"value": fn(*args)}]
+        except Exception:  # noqa: BLE001
             payload = [{"error": traceback.format_exc()}]
     dist.broadcast_object_list(payload, src=0)
     if "error" in payload[0]:
         raise RuntimeError("the reference failed on rank 0:\n" + payload[0]["error"])
-    return payload[0]
+    return payload[0]["value"]
+
+
+def _reference(layout: Layout, per_token: bool, steps: list, dp: int, global_batch: int) -> dict:
+    """Rank 0 trains the whole model in float64 (and in fp32, the plain-torch figure); every rank gets
+    the initial and final weights, losses and norms."""
+    return computed_on_rank0(_train_reference, layout, per_token, steps, dp, global_batch)
 
 
 def _train_reference(layout: Layout, per_token: bool, steps: list, dp: int, global_batch: int) -> dict:

@@ -101,18 +101,18 @@ class MuonReference:
 def _reference(case: dict, tp: int, steps: list, global_batch: int) -> dict:
     """Rank 0 builds the whole model and trains the float64 (and the fp32) reference; every rank gets the
     weights, momenta and per-step figures (a broadcast, so every rank agrees)."""
-    payload = [None]
-    if dist.get_rank() == 0:
-        model = mcore_cpu.build_gpt(transformer_config(tp, whole=True), tied=True)
-        init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-        runs = {dtype: MuonReference(model, case, tp, global_batch, dtype) for dtype in (torch.float64, torch.float32)}
-        figures = {dtype: [run.step(batches) for batches in steps] for dtype, run in runs.items()}
-        payload = [{"init": init, "final": runs[torch.float64].params(), "momentum": runs[torch.float64].momentum(),
-                    "fp32_final": runs[torch.float32].params(), "fp32_momentum": runs[torch.float32].momentum(),
-                    "norms": [f[0] for f in figures[torch.float64]], "losses": [f[1] for f in figures[torch.float64]],
-                    "zeros": [f[2] for f in figures[torch.float64]]}]
-    dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+    return cmp.computed_on_rank0(_train_reference, case, tp, steps, global_batch)
+
+
+def _train_reference(case: dict, tp: int, steps: list, global_batch: int) -> dict:
+    model = mcore_cpu.build_gpt(transformer_config(tp, whole=True), tied=True)
+    init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    runs = {dtype: MuonReference(model, case, tp, global_batch, dtype) for dtype in (torch.float64, torch.float32)}
+    figures = {dtype: [run.step(batches) for batches in steps] for dtype, run in runs.items()}
+    return {"init": init, "final": runs[torch.float64].params(), "momentum": runs[torch.float64].momentum(),
+            "fp32_final": runs[torch.float32].params(), "fp32_momentum": runs[torch.float32].momentum(),
+            "norms": [f[0] for f in figures[torch.float64]], "losses": [f[1] for f in figures[torch.float64]],
+            "zeros": [f[2] for f in figures[torch.float64]]}
 
 
 # ----------------------------------------------------------------------------- the two implementations

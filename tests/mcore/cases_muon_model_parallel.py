@@ -13,7 +13,6 @@ tests/mcore/cases_model_parallel.py's.
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from typing import Callable, Optional
 
 import torch
@@ -107,16 +106,7 @@ def _train_reference(layout: cmp.Layout, steps: list, dp: int, global_batch: int
 
 
 def _reference(layout: cmp.Layout, steps: list, dp: int, global_batch: int, options: dict) -> dict:
-    payload = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload = [_train_reference(layout, steps, dp, global_batch, options)]
-        except Exception:  # tell the other ranks instead of leaving them in the broadcast
-            payload = [{"error": traceback.format_exc()}]
-    dist.broadcast_object_list(payload, src=0)
-    if "error" in payload[0]:
-        raise RuntimeError("the reference failed on rank 0:\n" + payload[0]["error"])
-    return payload[0]
+    return cmp.computed_on_rank0(_train_reference, layout, steps, dp, global_batch, options)
 
 
 # ----------------------------------------------------------------------------- megatron_opt's Muon
