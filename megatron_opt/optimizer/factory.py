@@ -153,7 +153,7 @@ def get_megatron_optimizer(
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
     if config.optimizer in MUON_NAMES:
-        _check_muon_layout(config, chunks, expert_groups, model_parallel_group, tensor_parallel_group)
+        _check_muon_layout(config, chunks, tensor_parallel_group)
         return _muon_optimizer(config, splits, dense_per_split, chunks, expert_groups, scaler, common,
                                grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
@@ -202,8 +202,7 @@ def _muon_optimizer(config: OptimizerConfig, splits: list[list], dense_per_split
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group, early_children=early)
 
 
-def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource], expert_groups: list,
-                       model_parallel_group: Optional[torch.distributed.ProcessGroup],
+def _check_muon_layout(config: OptimizerConfig, chunks: Sequence[GradSource],
                        tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> None:
     """Muon runs at data, tensor (muon_tp_mode, with or without sequence parallelism), pipeline
     parallelism (virtual stages included) and expert parallelism (its own Muon and AdamW leaves,
