@@ -9,6 +9,7 @@ follows in the same order. It also keeps the non-finite count of ``check_for_nan
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -106,7 +107,7 @@ class BucketLaunchOrder:
 
     def _launch(self, bucket: Bucket, async_op: bool, all_reduce: bool) -> None:
         if self.check_for_nan:
-            self.nonfinite += torch.isfinite(bucket.grad_data).logical_not_().sum()
+            self.nonfinite += nonfinite_probe(bucket.grad_data)
         bucket.start_grad_sync(async_op, all_reduce=all_reduce)
         self.launched += 1
 
@@ -126,10 +127,25 @@ class BucketLaunchOrder:
         flag = self.nonfinite.clone()
         collectives.all_reduce(flag, group)
         if int(flag.item()) > 0:  # every rank sees the same reduced count and raises together
+            what = ("non-finite gradient elements" if self.nonfinite.device.type == "cpu"
+                    else "gradient buckets with non-finite values")
             raise RuntimeError(
-                f"check_for_nan_in_grad: {int(flag.item())} non-finite gradient elements found before "
-                f"the data-parallel reduction. Inspect the loss and the inputs of this step."
+                f"check_for_nan_in_grad: {int(flag.item())} {what} found before the data-parallel "
+                f"reduction. Inspect the loss and the inputs of this step."
             )
 
 
-__all__ = ["build_buffers", "bucket_size_of", "BucketLaunchOrder"]
+def nonfinite_probe(grad: torch.Tensor) -> torch.Tensor:
+    """check_for_nan_in_grad's test of one bucket before its reduction, as one plain sum (NaN and inf
+    propagate through it): the number of non-finite elements on CPU, where a host read is free and
+    the exact count is taken only when the sum is not finite (it also is when finite values overflow
+    it); on CUDA, with no host read, 1 when the sum is not finite, else 0. megatron-core's check is a
+    norm, whose squares overflow long before a sum does."""
+    if grad.device.type == "cpu":
+        if math.isfinite(float(grad.sum())):
+            return torch.zeros((), dtype=torch.int64)
+        return torch.isfinite(grad).logical_not_().sum()
+    return grad.sum(dtype=torch.float32).isfinite().logical_not_().to(torch.int64)
+
+
+__all__ = ["build_buffers", "bucket_size_of", "BucketLaunchOrder", "nonfinite_probe"]
