@@ -205,20 +205,30 @@ def update_fails_on_one_rank(device_step: bool = False) -> dict:
 
 
 def chunked_all_gather() -> bool:
-    """A synchronous all-gather of a large shard goes in slices; the result is the same."""
+    """On gloo a large reduce-scatter / all-gather goes in slices (collectives.GLOO_SLICE), synchronous
+    or not, in place (the shard a view of this rank's chunk) or not: the result is the one collective's."""
     from megatron_opt import collectives
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    saved, collectives.SYNC_ALL_GATHER_CHUNK = collectives.SYNC_ALL_GATHER_CHUNK, 7
+    saved, collectives.GLOO_SLICE = collectives.GLOO_SLICE, 7
     try:
         for n in (5, 7, 20, 31):
-            full = torch.zeros(n * world)
-            full[rank * n : (rank + 1) * n] = torch.arange(n) + 100 * rank
-            collectives.all_gather(full, full[rank * n : (rank + 1) * n], None, async_op=False)
-            if not torch.equal(full, torch.cat([torch.arange(n) + 100.0 * r for r in range(world)])):
-                return False
+            for async_op in (False, True):
+                full = torch.zeros(n * world)
+                full[rank * n : (rank + 1) * n] = torch.arange(n) + 100 * rank
+                collectives.all_gather(full, full[rank * n : (rank + 1) * n], None, async_op=async_op).wait()
+                if not torch.equal(full, torch.cat([torch.arange(n) + 100.0 * r for r in range(world)])):
+                    return False
+                for in_place in (False, True):
+                    full = torch.arange(n * world, dtype=torch.float32) * (rank + 1)
+                    shard = full[rank * n : (rank + 1) * n] if in_place else torch.empty(n)
+                    handle = collectives.reduce_scatter(full, shard, None, async_op=async_op)
+                    handle.wait()
+                    want = torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * sum(range(1, world + 1))
+                    if not torch.equal(shard, want) or not handle.is_completed():
+                        return False
     finally:
-        collectives.SYNC_ALL_GATHER_CHUNK = saved
+        collectives.GLOO_SLICE = saved
     return True
 
 

@@ -201,7 +201,7 @@ def test_an_update_failing_on_one_rank_raises_on_every_rank(pools, device_step):
         assert res["seconds"] < BOUND_S
 
 
-def test_synchronous_all_gather_in_slices_equals_one_gather(pools):
+def test_gloo_reduce_scatter_and_all_gather_in_slices_equal_one_collective(pools):
     assert all(pools(3).run(cr.chunked_all_gather))
 
 
