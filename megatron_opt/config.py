@@ -107,6 +107,7 @@ class DistributedDataParallelConfig:
         "use_custom_fsdp": False,
         "nccl_ub": False,
         "reduce_scatter_with_fp32_accumulation": False,
+        "delay_wgrad_compute": False,
     }
     _WHY = {
         "fp8_param_gather": "fp8 params are not supported",
@@ -114,6 +115,7 @@ class DistributedDataParallelConfig:
         "use_custom_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
         "nccl_ub": "NCCL user buffers are not used",
         "reduce_scatter_with_fp32_accumulation": "use grad_reduce_in_fp32=True instead",
+        "delay_wgrad_compute": "Transformer Engine's delayed weight gradients are not hooked for reduction",
     }
 
     def __post_init__(self) -> None:
