@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import megatron_opt as mo
 from tests.distributed.cases_muon import SPLIT, VOCAB, HIDDEN, MuonNet, batch
 from tests.support import reference_muon as rm
-from tests.support.common import assert_identical_across_ranks, flat_params, whole_from_parts
+from tests.support.common import flat_params, whole_from_parts
 
 LR, WD, CLIP = 0.02, 0.1, 0.5
 EXPERT_FFN = 20
