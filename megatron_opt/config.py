@@ -191,7 +191,8 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 0.0  # read only with optimizer_cpu_offload (refused): any value in [0, 1] is inert
+    # read only with optimizer_cpu_offload (refused): any value in [0, 1] is inert
+    optimizer_offload_fraction: float = 0.0
     clip_grad: float = 1.0
     grad_norm_skip_threshold: Optional[float] = None
     log_num_zeros_in_grad: bool = False
