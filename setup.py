@@ -69,6 +69,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={"test": ["pytest", "pytest-timeout", "hypothesis", "megatron-core", "tensorboard",
+                             # the lint scripts/test.sh runs before pytest (pyproject.toml's [tool.ruff])
+                             "ruff>=0.6",
                              # megatron-core's own Muon, the calibration of tests/mcore/test_muon_reference.py
                              # (emerging-optimizers needs Python 3.12; on 3.11 that test skips, saying why)
                              "emerging-optimizers; python_version >= '3.12'",

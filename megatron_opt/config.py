@@ -107,6 +107,7 @@ class DistributedDataParallelConfig:
         "use_custom_fsdp": False,
         "nccl_ub": False,
         "reduce_scatter_with_fp32_accumulation": False,
+        "delay_wgrad_compute": False,
     }
     _WHY = {
         "fp8_param_gather": "fp8 params are not supported",
@@ -114,6 +115,7 @@ class DistributedDataParallelConfig:
         "use_custom_fsdp": "megatron_opt is ZeRO-1; use torch FSDP2 for parameter sharding",
         "nccl_ub": "NCCL user buffers are not used",
         "reduce_scatter_with_fp32_accumulation": "use grad_reduce_in_fp32=True instead",
+        "delay_wgrad_compute": "Transformer Engine's delayed weight gradients are not hooked for reduction",
     }
 
     def __post_init__(self) -> None:
@@ -189,7 +191,8 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False
     optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 0.0  # read only with optimizer_cpu_offload (refused): any value in [0, 1] is inert
+    # read only with optimizer_cpu_offload (refused): any value in [0, 1] is inert
+    optimizer_offload_fraction: float = 0.0
     clip_grad: float = 1.0
     grad_norm_skip_threshold: Optional[float] = None
     log_num_zeros_in_grad: bool = False

@@ -1,4 +1,4 @@
-"""The treatment of every megatron-core config field that megatron_opt's configs lack.
+"""The treatment of every megatron-core config field that megatron_opt lacks or never reads.
 
 megatron-core keeps adding fields to its ``OptimizerConfig`` and ``DistributedDataParallelConfig``, and
 Megatron-LM fills many of them from its argument parser with values other than the dataclass
@@ -20,6 +20,12 @@ A field missing from this table is treated as ``DefaultOnly`` at run time (never
 and ``tests/mcore/test_stock_megatron_lm.py`` fails when the installed megatron-core has a field that
 is neither megatron_opt's nor in this table, so a new megatron-core field is decided here, not in a
 user's run.
+
+megatron_opt's own configs declare some megatron-core fields only so that Megatron launch code setting
+them keeps working; nothing in megatron_opt reads them. They are decided in ``UNREAD_DDP_FIELDS`` and
+``UNREAD_OPTIMIZER_FIELDS``: ``Inert`` ones are accepted at any value, ``DefaultOnly`` ones are refused
+by config.py (the class's ``_UNSUPPORTED``). ``tests/unit/test_unread_config_fields.py`` fails on a
+declared field that the library never reads and that is neither there nor refused by config.py.
 """
 from __future__ import annotations
 
@@ -115,6 +121,29 @@ OPTIMIZER_FIELDS: dict[str, Treatment] = {
 }
 
 
+# Fields megatron_opt's configs declare and never read (see the module docstring).
+UNREAD_DDP_FIELDS: dict[str, Treatment] = {
+    "align_param_gather": Inert("when overlap_param_gather's all-gathers start across virtual-pipeline chunks "
+                                "(megatron_opt's forward pre-hooks dispatch them); the gathered params are the same"),
+    "data_parallel_sharding_strategy": _FSDP,
+    "delay_wgrad_compute": DefaultOnly(
+        "megatron_opt's gradient hooks fire when a param's gradient is accumulated; Transformer Engine's delayed "
+        "weight gradients (backward_dw) are not hooked, so delayed weight-gradient reduction is not implemented"),
+}
+
+UNREAD_OPTIMIZER_FIELDS: dict[str, Treatment] = {
+    "params_dtype": Inert("the params' dtypes are read from the params (fp16 / bf16 name the model dtype); "
+                          "megatron-core's optimizer does not read it either"),
+    "config_logger_dir": Inert("where megatron-core's config logger dumps configs for debugging; "
+                               "no effect on training"),
+    "overlap_param_gather": Inert(
+        "the overlap of the param all-gather is the model's DistributedDataParallelConfig.overlap_param_gather "
+        "(Megatron-LM sets both from --overlap-param-gather); megatron-core reads this copy only with mxfp8 params "
+        "and in its layer-wise optimizer"),
+    "optimizer_offload_fraction": _OFFLOAD,
+}
+
+
 def treatment(kind: str, name: str) -> Treatment | None:
     """The treatment of megatron-core field ``name`` of a DDP (``kind='ddp'``) or optimizer
     (``kind='optimizer'``) config that megatron_opt's config lacks; None when undecided (then only
@@ -123,4 +152,5 @@ def treatment(kind: str, name: str) -> Treatment | None:
     return table.get(name)
 
 
-__all__ = ["Inert", "DefaultOnly", "Renamed", "ShardsOptimizer", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS", "treatment"]
+__all__ = ["Inert", "DefaultOnly", "Renamed", "ShardsOptimizer", "Treatment", "DDP_FIELDS", "OPTIMIZER_FIELDS",
+           "UNREAD_DDP_FIELDS", "UNREAD_OPTIMIZER_FIELDS", "treatment"]

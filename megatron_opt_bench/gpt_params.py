@@ -65,7 +65,8 @@ def gpt_params(shape: GptShape) -> list[GptParam]:
         return [GptParam(f"{prefix}.weight", (h,))] + ([GptParam(f"{prefix}.bias", (h,))] if shape.norm_bias else [])
 
     def linear(prefix: str, rows: int, cols: int) -> list[GptParam]:
-        return [GptParam(f"{prefix}.weight", (rows, cols))] + ([GptParam(f"{prefix}.bias", (rows,))] if shape.bias else [])
+        return ([GptParam(f"{prefix}.weight", (rows, cols))]
+                + ([GptParam(f"{prefix}.bias", (rows,))] if shape.bias else []))
 
     for i in range(shape.num_layers):
         layer = f"decoder.layers.{i}"

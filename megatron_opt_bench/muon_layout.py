@@ -190,7 +190,8 @@ def markdown_table(rows: Sequence[LayoutRow]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
-            f"| {r.model} | {r.params / 1e9:.3f}B | {r.dtype} | {r.dp} | {r.buckets} | {'yes' if r.split_qkv else 'no'} "
+            f"| {r.model} | {r.params / 1e9:.3f}B | {r.dtype} | {r.dp} | {r.buckets} "
+            f"| {'yes' if r.split_qkv else 'no'} "
             f"| {r.homes} | {r.muon_matrices} | {r.straddling} | {r.ns_max_over_mean:.3f} | {r.adamw_bytes / 1e6:,.1f} "
             f"| {r.muon_extra_bytes / 1e6:,.1f} | {r.ratio:.3f} | {r.busiest_rank_ratio:.3f} |")
     return "\n".join(lines)

@@ -81,7 +81,8 @@ memory about 34 B * N, 9 GiB at 2^28; a size that does not fit in the free memor
     python3 scripts/bench_optimizer_step.py --check --mo-states fp32,bf16,bf16+rem --json states.json --plot states.png
 CPU smoke test (gloo, host timers, a few seconds):
     python scripts/bench_optimizer_step.py --device cpu --log2-sizes 12,14 --iters 2 --warmup 1 --check
-    python scripts/bench_optimizer_step.py --device cpu --log2-sizes 12,14 --iters 3 --check --mo-states fp32,bf16,bf16+rem
+    python scripts/bench_optimizer_step.py --device cpu --log2-sizes 12,14 --iters 3 --check \\
+        --mo-states fp32,bf16,bf16+rem
 Re-plot from a saved JSON (no benchmark): --from-json step.json --plot step.png
 """
 from __future__ import annotations

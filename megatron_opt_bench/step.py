@@ -146,8 +146,8 @@ def main() -> None:
                         "bf16 (bf16 moments, fp32 masters), bf16+rem (bf16 moments, bf16 params + 16-bit remainders; "
                         "Megatron-LM's precision-aware optimizer)")
     p.add_argument("--mo-verify", default="",
-                   help="comma-separated verify intervals N (OptimizerConfig.verify_interval): each adds a megatron_opt "
-                        "variant (fp32 state, no overlap) that verifies every N-th step, e.g. 1,100")
+                   help="comma-separated verify intervals N (OptimizerConfig.verify_interval): each adds a "
+                        "megatron_opt variant (fp32 state, no overlap) that verifies every N-th step, e.g. 1,100")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args()
     try:
@@ -280,12 +280,14 @@ def main() -> None:
         for i, a_name in enumerate(names):
             for b_name in names[i + 1 :]:
                 a_r, b_r = results[a_name], results[b_name]
-                print(f"| {a_name} vs {b_name} | {loss_diff(a_r, b_r):.2e} | {rel_diff(a_r['params'], b_r['params']):.2e} "
+                print(f"| {a_name} vs {b_name} | {loss_diff(a_r, b_r):.2e} "
+                      f"| {rel_diff(a_r['params'], b_r['params']):.2e} "
                       f"| {update_rel_diff(a_r['params'], b_r['params'], init_f):.2e} |")
         print()
         print("fwd+bwd = zero_grad + forward + backward; step = megatron_opt: opt.step() (grad reduce-scatter "
               "unless overlapped, norm, clip, AdamW, param all-gather), torch: clip_grad_norm_ + optimizer.step(); "
-              "iteration = wall time of zero_grad..end of step incl. the barrier before the step. Model state = distinct storages of params, grads / grad buffers and "
+              "iteration = wall time of zero_grad..end of step incl. the barrier before the step. "
+              "Model state = distinct storages of params, grads / grad buffers and "
               "optimizer state after a step. Ranges are min–max over ranks. Param diff = max over tensors of "
               "||a-b||/||b||; update diff = ||a-b|| / ||b-init|| over all params.")
     dist.barrier()

@@ -93,7 +93,8 @@ class Runner:
         ev /= dist.get_world_size()
         return dict(
             name=self.name, fb=statistics.median(self.fb), step=statistics.median(self.st),
-            iter=statistics.median(self.it), iter_mean=statistics.fmean(self.it), step_mean=statistics.fmean(self.st), state_bytes=state_bytes, peak_delta=self.peak_delta,
+            iter=statistics.median(self.it), iter_mean=statistics.fmean(self.it), step_mean=statistics.fmean(self.st),
+            state_bytes=state_bytes, peak_delta=self.peak_delta,
             train_losses=train_losses.cpu(), eval_loss=float(ev), grad_norm=self.norms[-1], params=params,
             peak_reset_ok=self.peak_reset_ok,
         )

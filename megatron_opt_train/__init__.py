@@ -3,7 +3,7 @@ a GPU, CUDA/NCCL with one.
 
     torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py
     torchrun --standalone --nproc_per_node=2 scripts/pretrain_gpt.py --train-iters 30 --save ckpt --save-interval 10
-    torchrun --standalone --nproc_per_node=3 scripts/pretrain_gpt.py --train-iters 40 --load ckpt --save ckpt  # DP 2 -> 3
+    torchrun --standalone --nproc_per_node=3 scripts/pretrain_gpt.py --train-iters 40 --load ckpt --save ckpt  # DP 2->3
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT scripts/pretrain_gpt.py ...
     torchrun --standalone --nproc_per_node=2 -m megatron_opt_train ...      # the same, as a module
 
@@ -14,9 +14,10 @@ runs with only the entry point changed. Model parallelism (--tensor-model-parall
 --num-experts) trains megatron-core's GPTModel through its schedule (megatron_opt_train/runners/megatron_core.py).
 Megatron-LM's data, tokenizer and evaluation blocks run through megatron-core's data code
 (megatron_opt_train/components/data.py, evaluation.py; docs/pretrain.md). Flags for what megatron_opt or this
-script does not have (fp8, other model architectures, ...: "not supported yet: <reason>") and unknown flags ("unknown flag --x; did you mean --y?") are all
-named in one error (exit code 2; torchrun itself then exits 1), printed by rank 0 without the usage
-text, before any process group exists; no-op values (--attention-dropout 0, ...) are accepted.
+script does not have (fp8, other model architectures, ...: "not supported yet: <reason>") and unknown flags
+("unknown flag --x; did you mean --y?") are all named in one error (exit code 2; torchrun itself then exits
+1), printed by rank 0 without the usage text, before any process group exists; no-op values
+(--attention-dropout 0, ...) are accepted.
 
 Defaults are Megatron-LM's, except where it has none or a run with no flags should stay a short demo
 (DEMO_DEFAULTS): --lr 3e-3, --train-iters 30, --micro-batch-size 4, --seq-length 64, --hidden-size 128,

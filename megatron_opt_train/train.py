@@ -85,7 +85,8 @@ class Trainer:
         args, runner = self.args, self.runner
         if args.load_iteration is None:
             if args.load is not None:
-                self.say(f"pretrain_gpt.py: --load {args.load}: no checkpoint ({args.load_note}); training from scratch")
+                self.say(f"pretrain_gpt.py: --load {args.load}: no checkpoint ({args.load_note}); "
+                         f"training from scratch")
             return
         has_optimizer = mo.checkpoint.read_info(args.load).has_optimizer
         if not has_optimizer and not args.no_load_optim:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fresh-machine test run, in two interpreters:
-#   1. Python 3.12 with megatron-core 0.19.2 (the primary target): .venv, the whole suite.
+#   1. Python 3.12 with megatron-core 0.19.2 (the primary target): .venv, the lint (ruff check ., configured in
+#      pyproject.toml; a violation fails the run before any test), then the whole suite.
 #   2. Python 3.11 with megatron-core 0.16.1 (still supported): .venv311, tests/mcore only.
 # Each creates its venv, installs torch, the package (building csrc when torch has CUDA) and the test
 # dependencies, then runs pytest. Settings:
@@ -50,6 +51,7 @@ if [ "$ONLY" != "311" ]; then
     if [ "${MEGATRON_OPT_REQUIRE_EXT:-}" = "1" ]; then
         .venv/bin/python -c "import megatron_opt.ops as o, sys; sys.exit(0 if o.HAS_CUDA_EXT else 'MEGATRON_OPT_REQUIRE_EXT=1 but the CUDA extension did not build/import')"
     fi
+    .venv/bin/ruff check .
     .venv/bin/python -m pytest -q
 fi
 if [ "$ONLY" != "312" ]; then

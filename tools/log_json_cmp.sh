@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Is the main job bitwise unchanged since a revision? Runs it four ways from a checkout of REV and from this
-# tree (no flags; the README's Megatron-LM block; TP2 with sequence parallelism; PP2 bf16 with the
+# tree (no flags; docs/pretrain.md's Megatron-LM flags example; TP2 with sequence parallelism; PP2 bf16 with the
 # distributed optimizer and evaluation) and compares their --log-json files with cmp.
 #   usage: bash tools/log_json_cmp.sh REV [TORCHRUN]      (TORCHRUN defaults to .venv/bin/torchrun)
 # Needs megatron-core in that environment for the TP2/PP2 runs. Exit status 0: all four identical.

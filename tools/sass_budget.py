@@ -242,7 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     rows.sort(key=lambda r: (r.grad, r.count_zeros))
     print(f"{binary} ({args.arch}), {version}, budget {BUDGET_PER_32} instructions per 32 elements")
-    print(f"{'kernel':<44} {'loop':<13} {'instr/iter':>10} {'elem/iter':>9} {'instr/32':>8}  {'budget':<6}  top opcodes")
+    print(f"{'kernel':<44} {'loop':<13} {'instr/iter':>10} {'elem/iter':>9} {'instr/32':>8}  {'budget':<6}  "
+          f"top opcodes")
     for r in rows:
         label = f"grad_stats_kernel<{r.grad}, kCountZeros={str(r.count_zeros).lower()}>"
         ops = ", ".join(f"{k} {v}" for k, v in r.top_opcodes.items())

@@ -154,7 +154,8 @@ class Checkpointer:
             model_space.check_optimizer(chunks, optimizer)
         it = int(iteration)
         model_parallel = model_space.is_model_parallel(chunks, optimizer)
-        kind, places = _together(lambda: _placements(chunks, None, model_parallel), f"checkpoint save of iteration {it}")
+        kind, places = _together(lambda: _placements(chunks, None, model_parallel),
+                                 f"checkpoint save of iteration {it}")
         params = param_layout.fingerprint_params(chunks, kind, places)  # a collective with megatron-core's keys
         run = {"iteration": it, "consumed_samples": int(consumed_samples), "extra": dict(extra or {})}
         rank_state = {"rng": capture_rng() if save_rng else None, "extra": dict(rank_extra or {})}

@@ -27,7 +27,8 @@ class ParamChunk:
     1-D tensor holding them (read on save, written on load). A rank owning nothing passes an empty
     ``flat``: the key then exists on every rank, as DCP expects, with no data on this one."""
 
-    def __init__(self, flat: torch.Tensor, shape: torch.Size, start: int, placement: Optional[Placement] = None) -> None:
+    def __init__(self, flat: torch.Tensor, shape: torch.Size, start: int,
+                 placement: Optional[Placement] = None) -> None:
         self.flat = flat
         self.shape = torch.Size(shape)  # the local param's
         self.start = start
@@ -43,7 +44,8 @@ class ParamChunk:
             if lo < hi:
                 self.boxes += [Box(tuple(o + b for o, b in zip(piece.offset, box.offsets)), tuple(box.sizes),
                                    piece.flat_start + box.flat_start)
-                               for box in flat_range_to_boxes(piece.shape, lo - piece.flat_start, hi - piece.flat_start)]
+                               for box in flat_range_to_boxes(piece.shape, lo - piece.flat_start,
+                                                              hi - piece.flat_start)]
 
     @property
     def written(self) -> bool:
@@ -109,7 +111,8 @@ class ModelSpaceLoadPlanner(DefaultLoadPlanner):
 
 def saved_tensor_shapes(metadata: Any) -> dict[str, tuple[int, ...]]:
     """Global shapes of every tensor key in a DCP checkpoint's metadata."""
-    return {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    return {k: tuple(md.size) for k, md in metadata.state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
 
 
 __all__ = ["ParamChunk", "ModelSpaceSavePlanner", "ModelSpaceLoadPlanner", "saved_tensor_shapes"]

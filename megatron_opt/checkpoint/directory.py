@@ -4,9 +4,9 @@
     SAVE_DIR/iter_0000100/                         DCP files + megatron_opt_manifest.json
     SAVE_DIR/.tmp_iter_0000200/                    a save in progress (never read)
 
-A save writes into the temporary folder; only after every rank finished does rank 0 write the
-manifest (with a SHA-256 of each of DCP's files, its .metadata included), rename the folder into place, then replace the tracker by
-write-then-rename. A save killed at any point therefore leaves either nothing visible or a complete
+A save writes into the temporary folder; only after every rank finished does rank 0 write the manifest (with a
+SHA-256 of each of DCP's files, its .metadata included), rename the folder into place, then replace the
+tracker by write-then-rename. A save killed at any point therefore leaves either nothing visible or a complete
 folder, and the tracker always names a complete one.
 """
 from __future__ import annotations

@@ -15,7 +15,8 @@ from .dcp_items import ModelSpaceLoadPlanner, saved_tensor_shapes
 from .validation import verify_files
 
 
-def read_tensors(path: Union[str, Path], what: str = "model", iteration: Optional[int] = None) -> dict[str, torch.Tensor]:
+def read_tensors(path: Union[str, Path], what: str = "model",
+                 iteration: Optional[int] = None) -> dict[str, torch.Tensor]:
     """{param name: full tensor} from a checkpoint, in one process, with no process group.
 
     ``what``: "model" (the params in their dtype), or an optimizer state name ("master" for the fp32

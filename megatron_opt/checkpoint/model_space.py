@@ -237,5 +237,6 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
         scheduler.load_state_dict(dest["scheduler"])
 
 
-__all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "model_parallel_sizes", "data_parallel_size", "fingerprint", "Staging", "rank_key",
-           "build_save_state", "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]
+__all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "model_parallel_sizes", "data_parallel_size",
+           "fingerprint", "Staging", "rank_key", "build_save_state", "build_load_destination",
+           "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -152,7 +152,8 @@ def placements(chunks: Sequence[GradSource], kind: str, model_parallel: bool) ->
         raise CheckpointError(f"the checkpoint names params locally (saved at data parallelism only, or over modules "
                               f"without sharded_state_dict()), which cannot place them in this tensor/pipeline-"
                               f"parallel model; {MODEL_PARALLEL_FIX}.")
-    return {e.key: whole(e.key, e.param.shape, (0,) * e.param.dim(), e.param.shape, True) for e in param_entries(chunks)}
+    return {e.key: whole(e.key, e.param.shape, (0,) * e.param.dim(), e.param.shape, True)
+            for e in param_entries(chunks)}
 
 
 def fingerprint_params(chunks: Sequence[GradSource], kind: str, places: dict[str, Placement]) -> list[list]:
@@ -170,5 +171,5 @@ def fingerprint_params(chunks: Sequence[GradSource], kind: str, places: dict[str
     return [[k, list(shape), dtype] for k, shape, dtype in mine]
 
 
-__all__ = ["LOCAL", "MEGATRON_CORE", "Piece", "Placement", "whole", "megatron_core_available", "default_kind", "placements",
-           "fingerprint_params"]
+__all__ = ["LOCAL", "MEGATRON_CORE", "Piece", "Placement", "whole", "megatron_core_available", "default_kind",
+           "placements", "fingerprint_params"]

@@ -159,7 +159,8 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         """Make each submodule's forward wait for the all-gather of its params' buckets (installed at
         construction with overlap_param_gather; Megatron-LM removes them around evaluation and saves)."""
         if not self.ddp_config.overlap_param_gather:
-            raise StepOrderError("enable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True "
+            raise StepOrderError("enable_forward_pre_hook() needs "
+                                 "DistributedDataParallelConfig.overlap_param_gather=True "
                                  "(without it the param all-gather is synchronous and there is nothing to wait for).")
         self._pre_hooks.enable()
 
@@ -167,7 +168,8 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         """Remove the forward pre-hooks; with ``param_sync`` first finish every param all-gather, so the
         module holds the updated params without them."""
         if not self.ddp_config.overlap_param_gather:
-            raise StepOrderError("disable_forward_pre_hook() needs DistributedDataParallelConfig.overlap_param_gather=True.")
+            raise StepOrderError("disable_forward_pre_hook() needs "
+                                 "DistributedDataParallelConfig.overlap_param_gather=True.")
         self._pre_hooks.disable()
         if param_sync:
             self.start_param_sync(force_sync=True)

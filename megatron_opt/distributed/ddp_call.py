@@ -165,7 +165,8 @@ def parse_ddp_call(args: tuple, kwargs: dict) -> DDPCall:
                        intra_instance_group=intra, inter_instance_group=inter, model_parallel=model_parallel)
     bound = _bind(OURS, args, kwargs, "megatron_opt")
     if "module" not in bound:
-        raise TypeError("DistributedDataParallel needs the module to wrap: DistributedDataParallel(module, ddp_config).")
+        raise TypeError("DistributedDataParallel needs the module to wrap: "
+                        "DistributedDataParallel(module, ddp_config).")
     module = bound["module"]
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"DistributedDataParallel: module must be a torch.nn.Module, got {type(module).__name__}.")

@@ -163,7 +163,8 @@ class WrappedParams:
                 if p.requires_grad:
                     raise ValueError(f"param '{name}' is not the param that was wrapped: it was replaced (e.g. "
                                      f"load_state_dict(assign=True), a new nn.Parameter) or became trainable after "
-                                     f"wrapping, so it is not in megatron_opt's buffers and would never be updated. {fix}")
+                                     f"wrapping, so it is not in megatron_opt's buffers and would never be "
+                                     f"updated. {fix}")
                 continue
             trainable += 1
             if not p.requires_grad:

@@ -28,7 +28,8 @@ class MegatronCoreModuleMembers:
             return inner(prefix=prefix, keep_vars=keep_vars)
         return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
 
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
         """The wrapped module's megatron-core sharded state dict (Megatron-LM's torch_dist model checkpoint)."""
         inner = getattr(self.module, "sharded_state_dict", None)
         if not callable(inner):

@@ -4,15 +4,15 @@
 
     import megatron_opt.megatron; megatron_opt.megatron.install()
 
-It replaces megatron-core's ``DistributedDataParallel`` and ``get_megatron_optimizer`` with
-megatron_opt's (for Muon, after tagging the QKV weights as megatron-core does: muon_call.py), in megatron-core's own modules and wherever a module already imported them by name
-(Megatron-LM's ``megatron/training/training.py`` does ``from megatron.core.distributed import
-DistributedDataParallel as DDP``), and in tuples of wrapper classes (``unwrap_model``'s). It also puts a
-check in front of megatron-core's ``dist_checkpointing.load``: a ``dp_reshardable`` optimizer checkpoint
-whose buckets differ from this run's is refused on every rank, naming both layouts and the fix, before
-torch.distributed.checkpoint would fail on a missing key (``checked_load.py``). Call it
-before Megatron-LM imports its training modules, or after: both are covered. ``uninstall()``
-restores megatron-core's objects.
+It replaces megatron-core's ``DistributedDataParallel`` and ``get_megatron_optimizer`` with megatron_opt's
+(for Muon, after tagging the QKV weights as megatron-core does: muon_call.py), in megatron-core's own modules
+and wherever a module already imported them by name (Megatron-LM's ``megatron/training/training.py`` does
+``from megatron.core.distributed import DistributedDataParallel as DDP``), and in tuples of wrapper classes
+(``unwrap_model``'s). It also puts a check in front of megatron-core's ``dist_checkpointing.load``: a
+``dp_reshardable`` optimizer checkpoint whose buckets differ from this run's is refused on every rank, naming
+both layouts and the fix, before torch.distributed.checkpoint would fail on a missing key
+(``checked_load.py``). Call it before Megatron-LM imports its training modules, or after: both are covered.
+``uninstall()`` restores megatron-core's objects.
 
 The patch is process-wide, so its undo record lives with it: each patched module keeps the values
 it had in its own ``_megatron_opt_originals`` dict (megatron_opt itself holds no state).
@@ -73,7 +73,8 @@ def install() -> None:
     try:
         targets = _targets()
     except ImportError as exc:
-        raise ImportError(f"megatron_opt.megatron.install() needs megatron-core (pip install megatron-core): {exc}") from exc
+        raise ImportError(f"megatron_opt.megatron.install() needs megatron-core (pip install megatron-core): "
+                          f"{exc}") from exc
     from ..distributed.ddp import DistributedDataParallel
 
     core_ddp_classes = {k for k, v in targets.items() if v is DistributedDataParallel}

@@ -65,7 +65,8 @@ class DistributedOptimizer(MegatronOptimizer):
             raise ValueError("DistributedOptimizer needs at least one DistributedDataParallel model chunk.")
         for chunk in model_chunks:
             if not isinstance(chunk, GradSource):
-                raise TypeError(f"model chunks must be megatron_opt.DistributedDataParallel, got {type(chunk).__name__}.")
+                raise TypeError(f"model chunks must be megatron_opt.DistributedDataParallel, "
+                                f"got {type(chunk).__name__}.")
         config = as_optimizer_config(config)
         self.config = config
         self.is_expert_parallel = expert_parallel

@@ -178,7 +178,8 @@ class MegatronOptimizer:
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "steps": [int(leaf.step.item()) for leaf in leaves],
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "update_rules": [{"name": leaf.rule.name, "hyperparameters": leaf.rule.hyperparameters()} for leaf in leaves],
+            "update_rules": [{"name": leaf.rule.name, "hyperparameters": leaf.rule.hyperparameters()}
+                             for leaf in leaves],
             "skipped_steps": self.skipped_steps,
         }
 

@@ -91,7 +91,8 @@ def assign_homes(placements: Sequence[MatrixPlacement], dp_size: int, steps: int
     for index, placement in enumerate(placements):
         if len(placement.owned) != dp_size:
             raise ValueError(
-                f"assign_homes: placement {index} has owned counts for {len(placement.owned)} ranks, dp_size is {dp_size}"
+                f"assign_homes: placement {index} has owned counts for {len(placement.owned)} ranks, "
+                f"dp_size is {dp_size}"
             )
     costs = [placement_cost(p, steps) for p in placements]
     owners = [p.owners() for p in placements]
@@ -148,7 +149,8 @@ def _loads(costs: Sequence[float], homes: Sequence[int], dp_size: int) -> list[f
     return load
 
 
-def rank_costs(placements: Sequence[MatrixPlacement], homes: Sequence[int], dp_size: int, steps: int = 5) -> list[float]:
+def rank_costs(placements: Sequence[MatrixPlacement], homes: Sequence[int], dp_size: int,
+               steps: int = 5) -> list[float]:
     """Summed Newton-Schulz cost per DP rank for these homes."""
     _check_homes(placements, homes)
     return _loads([placement_cost(p, steps) for p in placements], homes, dp_size)

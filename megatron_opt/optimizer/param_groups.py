@@ -77,7 +77,8 @@ def legacy_overrides(config: OptimizerConfig, no_weight_decay_cond: Optional[Par
     return rules
 
 
-def megatron_core_overrides(config: OptimizerConfig, config_overrides: Optional[Mapping[Any, Mapping]]) -> list[Override]:
+def megatron_core_overrides(config: OptimizerConfig,
+                            config_overrides: Optional[Mapping[Any, Mapping]]) -> list[Override]:
     """megatron-core's ``config_overrides`` ({ParamKey: ParamGroupOverride}), checked and as rules."""
     if config_overrides is None:
         return standard_overrides(config)

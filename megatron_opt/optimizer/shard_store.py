@@ -105,7 +105,8 @@ class ShardStore:
                         f"{'dense' if self.is_expert_parallel else 'expert-parallel'}."
                     )
                 if id(p) in self._group_of:
-                    raise ValueError(f"a param (shape {tuple(p.shape)}) appears in param groups {self._group_of[id(p)]} and {gi}.")
+                    raise ValueError(f"a param (shape {tuple(p.shape)}) appears in param groups "
+                                     f"{self._group_of[id(p)]} and {gi}.")
                 self._group_of[id(p)] = gi
             options = {k: v for k, v in group.items() if k != "params"}
             options.setdefault("lr", lr)
@@ -113,7 +114,8 @@ class ShardStore:
             out.append({"params": [], **options})
         missing = [name for pid, (name, _) in managed.items() if pid not in self._group_of]
         if missing:
-            raise ValueError(f"params missing from every param group: {missing[:5]}; give every trainable param a group.")
+            raise ValueError(f"params missing from every param group: {missing[:5]}; "
+                             f"give every trainable param a group.")
         return out
 
     def _build_shards(self, tensor_parallel_group: Optional[torch.distributed.ProcessGroup]) -> list[OwnedShard]:

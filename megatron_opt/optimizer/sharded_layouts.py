@@ -324,6 +324,6 @@ def read_dp_reshardable(view: OptimizerStateView, places: Sequence[BucketPlace],
 
 
 __all__ = ["FULLY_RESHARDABLE", "DP_RESHARDABLE", "FULLY_RESHARDABLE_FLAG", "megatron_state_name",
-           "model_params_by_identity", "ModelSpaceTarget", "model_space_targets", "optimizer_replica_id", "model_space_tensors", "fully_reshardable_state",
-           "read_fully_reshardable", "BucketPlace", "bucket_places", "bucket_key", "bucket_numels",
-           "dp_reshardable_state", "read_dp_reshardable"]
+           "model_params_by_identity", "ModelSpaceTarget", "model_space_targets", "optimizer_replica_id",
+           "model_space_tensors", "fully_reshardable_state", "read_fully_reshardable", "BucketPlace", "bucket_places",
+           "bucket_key", "bucket_numels", "dp_reshardable_state", "read_dp_reshardable"]

@@ -199,7 +199,8 @@ def build(optimizer: Any, model_sharded_state_dict: Any, is_loading: bool, metad
         parts = [child_sharded_state_dict(c, model_sharded_state_dict, is_loading, kind) for c in children(optimizer)]
         if len(parts) == 1:
             return parts[0]
-        prefixed = kind not in FULLY_RESHARDABLE_FORMATS or not (metadata or {}).get("chained_optim_avoid_prefix", False)
+        prefixed = (kind not in FULLY_RESHARDABLE_FORMATS
+                    or not (metadata or {}).get("chained_optim_avoid_prefix", False))
         for i, part in enumerate(parts):
             if prefixed:
                 add_prefix_for_sharding(part, f"chained_{i}.")

@@ -145,5 +145,5 @@ def reload_model_params(store: ShardStore) -> None:
             s.master.copy_(s.param_out)
 
 
-__all__ = ["GAPS", "PieceState", "piece_states", "state_bytes", "state_tensors", "per_param_state", "gather_main_params",
-           "round_masters_into_params", "reload_model_params"]
+__all__ = ["GAPS", "PieceState", "piece_states", "state_bytes", "state_tensors", "per_param_state",
+           "gather_main_params", "round_masters_into_params", "reload_model_params"]

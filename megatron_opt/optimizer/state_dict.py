@@ -69,7 +69,8 @@ def check(view: OptimizerStateView, state_dict: Any) -> None:
     saved_groups = state_dict["scalars"]["param_groups"]
     my_groups = [g for leaf in view.state_leaves() for g in leaf.param_groups]
     if len(saved_groups) != len(my_groups):
-        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(my_groups)}. {_FIX}")
+        raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has "
+                         f"{len(my_groups)}. {_FIX}")
     parts = [(f"'{s.state}' of {s.key}", _saved_part(state_dict, s)) for s in owned_slices(view)]
     bad = first_nonfinite(parts)
     if bad is not None:

@@ -172,7 +172,8 @@ def compatibility_problem(saved: dict[str, Any], mine: dict[str, Any], what: str
         return f"{what} is of a different model: params missing from it {missing[:5]}, params only in it {extra[:5]}"
     for key, (shape, dtype) in my_params.items():
         if saved_params[key] != (shape, dtype):
-            return f"param {key} is {saved_params[key][0]} {saved_params[key][1]} in {what} but {shape} {dtype} in this model"
+            return (f"param {key} is {saved_params[key][0]} {saved_params[key][1]} in {what} "
+                    f"but {shape} {dtype} in this model")
     if "optimizer" in mine:
         if "optimizer" not in saved:
             return f"{what} has no optimizer state"

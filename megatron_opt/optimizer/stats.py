@@ -34,5 +34,5 @@ def grad_norm_of(stats: torch.Tensor) -> torch.Tensor:
     return stats[STAT_SUMSQ].reshape(1).sqrt()
 
 
-__all__ = ["STAT_NONFINITE", "STAT_SUMSQ", "STAT_ZEROS", "STAT_MISSING_BACKWARD", "STATS_SIZE", "new_stats", "reduce_stats",
-           "grad_norm_of"]
+__all__ = ["STAT_NONFINITE", "STAT_SUMSQ", "STAT_ZEROS", "STAT_MISSING_BACKWARD", "STATS_SIZE", "new_stats",
+           "reduce_stats", "grad_norm_of"]

@@ -259,7 +259,8 @@ class StepDriver:
                 "before step(); start the next step with zero_grad_buffer() and a backward."
             )
         self._finish_grad_sync()
-        with phase_timers.phase(self.config, "megatron_opt.decide", phase_timers.PASS1):  # encloses .pass1 + .stats_allreduce
+        # the decide phase encloses .pass1 + .stats_allreduce
+        with phase_timers.phase(self.config, "megatron_opt.decide", phase_timers.PASS1):
             self._stage_missing_backward()
             self._decide()
             read = self._decision.read()  # the step's one host synchronisation
@@ -295,7 +296,8 @@ class StepDriver:
     def step_with_ready_grads(self) -> bool:
         read = self._require_prepared("step_with_ready_grads()")
         if read.found_inf:
-            self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler) else SkipReason.NON_FINITE)
+            self._skip(SkipReason.OVERFLOW if isinstance(self.grad_scaler, DynamicGradScaler)
+                       else SkipReason.NON_FINITE)
             return False
         failure: Optional[BaseException] = None
         try:

@@ -287,12 +287,15 @@ class MegatronSource:
         cls = MockGPTDataset if args.mock_data else GPTDataset
         self.splits = dict(zip(("train", "valid", "test"),
                                BlendedMegatronDatasetBuilder(cls, list(num_samples), lambda: True, config).build()))
-        self.has_valid, self.has_test = (self.splits[k] is not None and len(self.splits[k]) > 0 for k in ("valid", "test"))
+        self.has_valid, self.has_test = (self.splits[k] is not None and len(self.splits[k]) > 0
+                                         for k in ("valid", "test"))
         self.tokenizer_vocab = tokenizer.vocab_size
         self.vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
         self.mbs, self.rank, self.dp = args.micro_batch_size, rank, dp
-        source = "mock data (megatron-core's MockGPTDataset)" if args.mock_data else f"--data-path {' '.join(args.data_path)}"
-        self.description = (f"{source}, split {args.split!r} ({', '.join(f'{k} {len(v) if v is not None else 0}' for k, v in self.splits.items())} "
+        source = ("mock data (megatron-core's MockGPTDataset)" if args.mock_data
+                  else f"--data-path {' '.join(args.data_path)}")
+        self.description = (f"{source}, split {args.split!r} "
+                            f"({', '.join(f'{k} {len(v) if v is not None else 0}' for k, v in self.splits.items())} "
                             f"samples), {args.tokenizer_type} vocabulary {tokenizer.vocab_size} padded to "
                             f"{self.vocab_size}")
 

@@ -192,7 +192,8 @@ def patched(device: torch.device, megatron_core_optimizer: bool = False,
     return _applied(applied)
 
 
-def on_cpu(megatron_core_optimizer: bool = False, alltoall_dispatcher: bool = False) -> contextlib.AbstractContextManager:
+def on_cpu(megatron_core_optimizer: bool = False,
+           alltoall_dispatcher: bool = False) -> contextlib.AbstractContextManager:
     return patched(torch.device("cpu"), megatron_core_optimizer, alltoall_dispatcher)
 
 

@@ -154,8 +154,9 @@ def run_muon_combination(c: dict) -> dict:
     out = dict(error=None, param=[], update=[], momentum=[], norm=[], verified=None)
     try:
         ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-            use_distributed_optimizer=c["sharded"], grad_reduce_in_fp32=c["grad_fp32"], overlap_grad_reduce=c["overlap"],
-            overlap_param_gather=c["overlap"] and c["sharded"], bucket_size=c["bucket_size"]))
+            use_distributed_optimizer=c["sharded"], grad_reduce_in_fp32=c["grad_fp32"],
+            overlap_grad_reduce=c["overlap"], overlap_param_gather=c["overlap"] and c["sharded"],
+            bucket_size=c["bucket_size"]))
         opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
             optimizer="muon", lr=c["lr"], weight_decay=c["wd"], clip_grad=c["clip_grad"], bf16=c["precision"] == "bf16",
             use_distributed_optimizer=c["sharded"], muon_momentum=c["momentum"], muon_nesterov=c["nesterov"],

@@ -383,7 +383,8 @@ def rule07_one_dtype_and_complete_accumulation(overlap: bool) -> dict:
     dtypes = []
     rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     real_rs = getattr(dist, rs_name)
-    setattr(dist, rs_name, lambda out, inp, *a, **k: (dtypes.append((out.dtype, inp.dtype)), real_rs(out, inp, *a, **k))[1])
+    setattr(dist, rs_name,
+            lambda out, inp, *a, **k: (dtypes.append((out.dtype, inp.dtype)), real_rs(out, inp, *a, **k))[1])
     try:
         ddp.zero_grad_buffer()
         for i, ctx in enumerate(microbatch_contexts(ddp, 3)):
@@ -432,8 +433,9 @@ def rule08_fp32_accumulation() -> dict:
     local = model.w.main_grad.double().clone()
     ddp.zero_grad_buffer()
     cleared = bool((model.w.main_grad == 0).all())
-    return dict(dtype=str(model.w.main_grad.dtype), local=local, expected=float(cs.sum()), abs_sum=float(cs.abs().sum()),
-                halfway=halfway.double(), expected_half=float(cs[:32].sum()), cleared=cleared)
+    return dict(dtype=str(model.w.main_grad.dtype), local=local, expected=float(cs.sum()),
+                abs_sum=float(cs.abs().sum()), halfway=halfway.double(), expected_half=float(cs[:32].sum()),
+                cleared=cleared)
 
 
 # --------------------------------------------------------------------------- rule 9
@@ -446,7 +448,8 @@ def rule09_every_microbatch() -> dict:
     cs = [float(1 + 3 * rank + i) * (1.0 if i < 2 else 10.0) for i in range(3)]
     res = mo.train_step(ddp, opt, None, cs, lambda m, c: (m(c),), loss_mode="mean")
     assert_identical_across_ranks(flat_params(model))
-    expected = sum(float(1 + 3 * r + i) * (1.0 if i < 2 else 10.0) for r in range(world) for i in range(3)) / (3 * world)
+    expected = (sum(float(1 + 3 * r + i) * (1.0 if i < 2 else 10.0) for r in range(world) for i in range(3))
+                / (3 * world))
     return dict(update=(1.0 - model.w.detach().double()), expected=expected, success=res.success)
 
 
@@ -502,7 +505,8 @@ def norm_threshold_skip() -> dict:
         after = (flat_params(model), _optimizer_state(opt))
     finally:
         logging.getLogger("megatron_opt").removeHandler(capture)
-    return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason, tracker=scaler.state_dict()["growth_tracker"],
-                scale=float(scaler.scale),
-                unchanged=torch.equal(before[0], after[0]) and all(torch.equal(a, b) for a, b in zip(before[1], after[1])),
+    return dict(success=res.success, norm=res.grad_norm, reason=res.skip_reason,
+                tracker=scaler.state_dict()["growth_tracker"], scale=float(scaler.scale),
+                unchanged=(torch.equal(before[0], after[0])
+                           and all(torch.equal(a, b) for a, b in zip(before[1], after[1]))),
                 log=capture.messages)

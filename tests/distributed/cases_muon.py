@@ -47,7 +47,8 @@ class MuonNet(torch.nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens)
         q = self.attn.linear_qkv(h)
-        h = h + torch.tanh(q[..., :HIDDEN]) * q[..., HIDDEN:2 * HIDDEN] + 0.1 * q[..., 2 * HIDDEN:].sum(-1, keepdim=True)
+        h = (h + torch.tanh(q[..., :HIDDEN]) * q[..., HIDDEN:2 * HIDDEN]
+             + 0.1 * q[..., 2 * HIDDEN:].sum(-1, keepdim=True))
         h = h + self.fc2(F.gelu(self.fc1(h)))
         return self.out(self.norm(h))
 
@@ -90,9 +91,9 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
         use_distributed_optimizer=distributed, overlap_grad_reduce=True, overlap_param_gather=distributed,
         grad_reduce_in_fp32=True, bucket_size=bucket_size))
     lr = 0.02
-    cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16, clip_grad=clip,
-                             use_distributed_optimizer=distributed, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
-                             muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
+    cfg = mo.OptimizerConfig(optimizer="muon", lr=lr, min_lr=lr / 10, weight_decay=weight_decay, bf16=bf16,
+                             clip_grad=clip, use_distributed_optimizer=distributed, muon_nesterov=nesterov,
+                             muon_split_qkv=split_qkv, muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
                              muon_fp32_matmul_prec=matmul_prec, verify_interval=1 if verify else 0,
                              **(dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16)
                                 if precision_aware else {}))

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import megatron_opt as mo
 from tests.distributed.cases_muon import SPLIT, VOCAB, HIDDEN, MuonNet, batch
 from tests.support import reference_muon as rm
-from tests.support.common import assert_identical_across_ranks, flat_params, whole_from_parts
+from tests.support.common import flat_params, whole_from_parts
 
 LR, WD, CLIP = 0.02, 0.1, 0.5
 EXPERT_FFN = 20
@@ -152,9 +152,10 @@ def _train(ddp, model, opt, ref, reference, steps, losses, loss, shard_coords, e
         # dense params from every rank; an expert param from the ranks of this rank's expert DP group
         momentum = whole_from_parts([{n: v for n, v in p.items() if tag == mine or not n.startswith("experts.")}
                               for tag, p in parts], {n: shapes[n] for n in muon_names})
-        out["momentum_err"].append({n: float((momentum[n] - reference.state[ref_params[ref_name(n)]]["momentum_buffer"])
-                                             .norm() / reference.state[ref_params[ref_name(n)]]["momentum_buffer"].norm())
-                                    for n in muon_names})
+        out["momentum_err"].append({
+            n: float((momentum[n] - reference.state[ref_params[ref_name(n)]]["momentum_buffer"]).norm()
+                     / reference.state[ref_params[ref_name(n)]]["momentum_buffer"].norm())
+            for n in muon_names})
     out["params"] = flat_params(model).clone()
     sd = opt.state_dict()["state"]
     out["state"] = {(s, n): v["values"].clone() for s, vals in sd.items() for n, v in vals.items()}
@@ -209,7 +210,8 @@ class FirstChunk(torch.nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens)
         q = self.attn.linear_qkv(h)
-        return h + torch.tanh(q[..., :HIDDEN]) * q[..., HIDDEN:2 * HIDDEN] + 0.1 * q[..., 2 * HIDDEN:].sum(-1, keepdim=True)
+        return (h + torch.tanh(q[..., :HIDDEN]) * q[..., HIDDEN:2 * HIDDEN]
+                + 0.1 * q[..., 2 * HIDDEN:].sum(-1, keepdim=True))
 
 
 class LastChunk(torch.nn.Module):

@@ -65,8 +65,9 @@ def run_parity(precision: str, ga: int, overlap: bool, steps: int = 5, clip_grad
     spec = PRECISIONS[precision]
     model = TinyLM(spec["dtype"])
     ref = MasterWeightReference(model, lr, weight_decay, optimizer)
-    ddp, opt = build(model, distributed=distributed, overlap_grad=overlap, overlap_param=overlap, bucket_size=300 if overlap else None,
-                     lr=lr, weight_decay=weight_decay, clip_grad=clip_grad, optimizer=optimizer, **spec["opt"])
+    ddp, opt = build(model, distributed=distributed, overlap_grad=overlap, overlap_param=overlap,
+                     bucket_size=300 if overlap else None, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
+                     optimizer=optimizer, **spec["opt"])
     init = {n: p.detach().double().clone() for n, p in ref.masters.named_parameters()}
     norms = train_with_reference(ddp, opt, ga, steps, lambda batches: ref.step(batches, clip_grad, world, loss_mult),
                                  loss_mult)

@@ -162,7 +162,8 @@ def run_groups_are_shared(k: int) -> dict:
     a = mo.DistributedDataParallel(TinyLM(), ddp_config(k))
     b = mo.DistributedDataParallel(TinyLM(), ddp_config(k),
                                    instance_groups=(a.intra_instance_group, a.inter_instance_group))
-    return {"same": a.intra_instance_group is b.intra_instance_group and a.inter_instance_group is b.inter_instance_group,
+    return {"same": (a.intra_instance_group is b.intra_instance_group
+                     and a.inter_instance_group is b.inter_instance_group),
             "intra": ddp_call.global_ranks(a.intra_instance_group),
             "inter": ddp_call.global_ranks(a.inter_instance_group)}
 
@@ -170,7 +171,8 @@ def run_groups_are_shared(k: int) -> dict:
 def _one_step_reduced_grads(ddp: mo.DistributedDataParallel, model: torch.nn.Module, overlap: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp.zero_grad_buffer()
-    for ctx, (x, y) in zip(microbatch_contexts(ddp, 2), rank_microbatches(global_batch(world * 2, seed=5), rank, world)):
+    for ctx, (x, y) in zip(microbatch_contexts(ddp, 2),
+                           rank_microbatches(global_batch(world * 2, seed=5), rank, world)):
         with ctx:
             loss_sum, n = token_loss_sum(ddp(x), y)
             (loss_sum / n / 2).backward()
@@ -247,8 +249,10 @@ def run_megatron_core_groups(k: int, source: str) -> dict:
     else:
         used = (ddp.intra_instance_group is intra, ddp.inter_instance_group is inter)
     check_shards(ddp, k)
-    reference = mo.DistributedDataParallel(reference_model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
-    ours, theirs = _one_step_reduced_grads(ddp, model, False), _one_step_reduced_grads(reference, reference_model, False)
+    reference = mo.DistributedDataParallel(reference_model,
+                                           mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    ours, theirs = (_one_step_reduced_grads(ddp, model, False),
+                    _one_step_reduced_grads(reference, reference_model, False))
     diff = max(float((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max().clamp_min(1e-30)) for n in theirs)
     return {"used_given_groups": used, "max_rel_diff": diff}
 
@@ -288,8 +292,8 @@ def run_subgroup_dp(k: int) -> dict:
     model, reference_model = TinyLM(), TinyLM()
     cfg = ddp_config(k)
     ddp = mo.DistributedDataParallel(model, cfg, dp)
-    reference = mo.DistributedDataParallel(reference_model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                           dp)
+    reference = mo.DistributedDataParallel(reference_model,
+                                           mo.DistributedDataParallelConfig(use_distributed_optimizer=True), dp)
 
     def grads(d, m):
         d.zero_grad_buffer()

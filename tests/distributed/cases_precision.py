@@ -8,9 +8,8 @@ import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from tests.support.common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, fp64_copy, full_main_params,
-                    global_batch, rel_l2, token_loss_sum,
-                    train_with_reference)
+from tests.support.common import (TinyLM, assert_identical_across_ranks, cosine_diff, flat_params, fp64_copy,
+                                  full_main_params, global_batch, rel_l2, token_loss_sum, train_with_reference)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
@@ -83,7 +82,8 @@ def build(kind: str, model: torch.nn.Module, lr: float, wd: float):
     _, fields = KINDS[kind]
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                              grad_reduce_in_fp32=True))
-    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=lr, weight_decay=wd, clip_grad=1.0, use_distributed_optimizer=True,
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=lr, weight_decay=wd, clip_grad=1.0,
+                                                       use_distributed_optimizer=True,
                                                        bf16=model.out.weight.dtype == BF16, **fields), ddp)
     return ddp, opt
 

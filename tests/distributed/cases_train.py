@@ -13,7 +13,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_opt as mo
 import megatron_opt.collectives as mo_collectives
-from tests.support.common import TinyLM, assert_identical_across_ranks, build, fp64_copy, global_batch, reference_adamw, token_loss_sum
+from tests.support.common import (TinyLM, assert_identical_across_ranks, build, fp64_copy, global_batch,
+                                  reference_adamw, token_loss_sum)
 
 # The brief's probe has 10 elements, but megatron_opt's layout aligns param starts to 64 elements and
 # shard boundaries to multiples of 64, so a 10-element vector always lies wholly in rank 0's shard.

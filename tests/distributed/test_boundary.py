@@ -145,7 +145,8 @@ def test_a_custom_update_rule_is_one_class():
     cfg_kw = dict(lr=0.5, optimizer="sgd", sgd_momentum=0.0, weight_decay=0.0, clip_grad=0.0)
     ddp_a = mo.DistributedDataParallel(model_a, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
     ddp_b = mo.DistributedDataParallel(model_b, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
-    opt_a = mo.DistributedOptimizer(mo.OptimizerConfig(use_distributed_optimizer=True, **{**cfg_kw, "lr": 0.25}), [ddp_a])
+    opt_a = mo.DistributedOptimizer(mo.OptimizerConfig(use_distributed_optimizer=True, **{**cfg_kw, "lr": 0.25}),
+                                    [ddp_a])
     opt_b = mo.DistributedOptimizer(mo.OptimizerConfig(use_distributed_optimizer=True, **cfg_kw), [ddp_b],
                                     update_rule=_HalfStepSGD())
     assert opt_b.update_rule.name == "half-sgd"

@@ -172,5 +172,6 @@ def test_contract_04_norm_over_threshold_is_a_skip(pools):
     for res in pools(2).run(cc.norm_threshold_skip):
         assert (res["success"], res["norm"], res["reason"]) == (False, None, "norm over threshold")
         assert res["unchanged"]
-        assert res["tracker"] == 0 and res["scale"] == 256.0, "a norm-threshold skip must leave the loss scaler unchanged"
+        assert res["tracker"] == 0 and res["scale"] == 256.0, \
+            "a norm-threshold skip must leave the loss scaler unchanged"
         assert any("norm over threshold" in m for m in res["log"])

@@ -167,7 +167,8 @@ def test_contract_11_normalisation_applied_once(pools):
             assert s["grad_scale_factor_dtype"] == "torch.float32"
             expected = float(np.float32(1.0 / n))
             assert s["grad_scale_factor"] == expected, (
-                f"rank {rank} step {i}: grad_scale_factor {s['grad_scale_factor']!r}, expected fp32(1/{n}) = {expected!r}")
+                f"rank {rank} step {i}: grad_scale_factor {s['grad_scale_factor']!r}, "
+                f"expected fp32(1/{n}) = {expected!r}")
     assert_update(results, 0, 70 / 24, "rule 11 per_token")
 
     results = probe(pool, [T11, T11_NEXT], mode="mean")
@@ -225,7 +226,8 @@ def test_contract_12_no_extra_pass_over_grads(pools):
                     step_reads.setdefault(rank, {}).setdefault(ga, _step_reads(rec))
                     assert _step_reads(rec) == step_reads[rank][ga]
         for rank, by_ga in step_reads.items():
-            assert by_ga[1] == by_ga[4], f"W={world} rank {rank}: optimizer grad reads GA=1 {by_ga[1]} vs GA=4 {by_ga[4]}"
+            assert by_ga[1] == by_ga[4], \
+                f"W={world} rank {rank}: optimizer grad reads GA=1 {by_ga[1]} vs GA=4 {by_ga[4]}"
 
 
 def test_contract_12_detector_flags_an_extra_pass(pools):

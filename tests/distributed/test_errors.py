@@ -38,7 +38,8 @@ def test_param_group_with_a_foreign_param():
     ddp = mo.DistributedDataParallel(TinyLM(), mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
     cfg = mo.OptimizerConfig(lr=1e-3, use_distributed_optimizer=True)
     with pytest.raises(ValueError, match="not in this optimizer's buffers"):
-        mo.DistributedOptimizer(cfg, [ddp], [{"params": list(ddp.module.parameters()) + [torch.nn.Parameter(torch.zeros(2))]}])
+        mo.DistributedOptimizer(cfg, [ddp],
+                                [{"params": list(ddp.module.parameters()) + [torch.nn.Parameter(torch.zeros(2))]}])
     with pytest.raises(ValueError, match="missing from every param group"):
         mo.DistributedOptimizer(cfg, [ddp], [{"params": [ddp.module.fc.weight]}])
 

@@ -2,11 +2,12 @@
 replicated tensor-parallel params counted once, and a NaN on one peer stopping every rank."""
 import pytest
 
-from tests.distributed.cases_model_parallel_groups import (run_context_parallel, run_expert_data_parallel_group_is_required,
-                                         run_edit_after_grad_sync_survives,
-                                         run_optimizer_pg_collection_must_match_the_wrapper,
-                                         run_tensor_parallel_replica_check,
-                                         run_replicated_tensor_parallel)
+from tests.distributed.cases_model_parallel_groups import (run_context_parallel,
+                                                           run_expert_data_parallel_group_is_required,
+                                                           run_edit_after_grad_sync_survives,
+                                                           run_optimizer_pg_collection_must_match_the_wrapper,
+                                                           run_tensor_parallel_replica_check,
+                                                           run_replicated_tensor_parallel)
 
 
 def test_context_parallel_matches_the_whole_batch_reference(pools):
@@ -47,7 +48,8 @@ def test_expert_parallel_needs_its_own_data_parallel_group(pools):
 
 def test_optimizer_pg_collection_must_match_the_wrapper(pools):
     for message in pools(4).run(run_optimizer_pg_collection_must_match_the_wrapper):
-        assert "pg_collection.tp has 1 rank(s) but the model chunks were wrapped with a tensor-parallel size of 2" in message
+        assert ("pg_collection.tp has 1 rank(s) but the model chunks were wrapped with a tensor-parallel size of 2"
+                in message)
 
 
 @pytest.mark.parametrize("overlap,instances", [(True, 1), (False, 1), (True, 2)])

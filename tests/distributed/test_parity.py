@@ -26,9 +26,9 @@ def test_parity_with_torch_adamw(pools, world, precision):
                     assert ours == pytest.approx(ref, rel=1e-5 if precision == "fp32" else 3e-2), where
 
 
-# Lion's update is lr * sign(c). In fp32 the error is the rounding of the fp32 master (AdamW's
-# tolerance, and a few ulps of |w| <~ 1 per element, far below the 2*lr of one flipped sign); a sign flip between fp32 and fp64
-# needs |c| below float32 rounding of the gradient. In bf16 the forward noise can flip the sign of a
+# Lion's update is lr * sign(c). In fp32 the error is the rounding of the fp32 master (AdamW's tolerance, and
+# a few ulps of |w| <~ 1 per element, far below the 2*lr of one flipped sign); a sign flip between fp32 and
+# fp64 needs |c| below float32 rounding of the gradient. In bf16 the forward noise can flip the sign of a
 # near-zero c, which moves that element by 2*lr: one flip in keep_a is ~2.4e-2 of its update.
 LION_TOL = {"fp32": dict(rel_l2=1e-4, max_abs=1e-6), "bf16": dict(rel_l2=5e-2, max_abs=None)}
 

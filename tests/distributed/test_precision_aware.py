@@ -71,7 +71,8 @@ def test_precision_aware_config_validation():
     mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=BF16, optimizer_cuda_graph=True)
     cfg = mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, exp_avg_dtype=BF16)
     assert cfg.uses_param_remainders
-    assert not mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, main_params_dtype=FP16).uses_param_remainders
+    assert not mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True,
+                                  main_params_dtype=FP16).uses_param_remainders
 
 
 def test_megatron_core_precision_aware_fields_convert():

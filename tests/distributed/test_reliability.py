@@ -153,7 +153,8 @@ def test_fault_injection_skips_exactly_the_planted_steps(pools, precision):
             assert planted, "the plan planted nothing"
             for step, success, unchanged in res["faulty"]:
                 if step in planted:
-                    assert not success and unchanged, f"{precision} seed {seed}: planted step {step} was not a clean skip"
+                    assert not success and unchanged, \
+                        f"{precision} seed {seed}: planted step {step} was not a clean skip"
                 else:
                     assert success and not unchanged, f"{precision} seed {seed}: clean step {step} did not update"
             assert all(success for _, success, _ in res["clean"])

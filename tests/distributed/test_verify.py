@@ -109,7 +109,8 @@ def test_skipped_step_is_verified_to_change_nothing(pools):
     (2, dict(precision="bf16", overlap=True)),
     (2, dict(precision="bf16", chained=True, optimizer="lion")),
     (2, dict(precision="fp32", optimizer="sgd")),
-    (2, dict(precision="bf16", use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
+    (2, dict(precision="bf16", use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16,
+             exp_avg_sq_dtype=torch.bfloat16)),
     (4, dict(precision="fp16", k=2, overlap=True)),
     (2, dict(precision="bf16", device_step=True)),
 ])

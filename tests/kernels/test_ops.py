@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 import megatron_opt.ops as ops
 from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from tests.support.gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
+from tests.support.gap_helpers import (as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case,
+                                       piece_mask, with_gap_garbage)
 from tests.support.common import assert_within as _assert_within
 
 SIZES = [0, 1, 7, 8, 9, 65535, 65536, 65537]
@@ -311,7 +312,8 @@ def test_reference_sgd(n, layout, gdtype, momentum, nesterov):
     assert_param_out(param_out, master, W)
 
 
-@pytest.mark.parametrize("found,advances", [(None, True), (0.0, True), (1.0, False), (math.nan, False), (math.inf, False)])
+@pytest.mark.parametrize("found,advances",
+                         [(None, True), (0.0, True), (1.0, False), (math.nan, False), (math.inf, False)])
 def test_reference_advance_step(found, advances):
     step = torch.tensor([5])
     ops.advance_step(step, None if found is None else torch.tensor([found]), backend="reference")
@@ -742,7 +744,8 @@ def test_cuda_grad_stats_ignore_gap_garbage(tname, dtype, specials):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("offsets", [(1, 1, 1, 1, 1), (3, 3, 3, 3, 3), (1, 0, 0, 0, 0), (0, 0, 2, 0, 0), (0, 0, 0, 0, 5)])
+@pytest.mark.parametrize("offsets",
+                         [(1, 1, 1, 1, 1), (3, 3, 3, 3, 3), (1, 0, 0, 0, 0), (0, 0, 2, 0, 0), (0, 0, 0, 0, 5)])
 @pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16])
 def test_cuda_adamw_misaligned_views(offsets, gdtype):
     """Same phase everywhere -> vector path with a scalar head; different phases -> scalar path."""

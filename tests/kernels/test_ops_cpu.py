@@ -109,7 +109,8 @@ def test_adamw_matches_reference(param_dtype, grad_dtype):
     gaps = torch.ones(numel, dtype=torch.bool)
     for s, e in zip(table.starts, table.ends):
         gaps[s:e] = False
-    assert torch.equal(w1[gaps], torch.randn(numel, generator=torch.Generator().manual_seed(7))[gaps]), "padding written"
+    assert torch.equal(w1[gaps], torch.randn(numel, generator=torch.Generator().manual_seed(7))[gaps]), \
+        "padding written"
     if param_dtype is not None:
         assert torch.equal(o1[~gaps], w1[~gaps].to(param_dtype))
 

@@ -4,11 +4,11 @@ against the reference and the closed form.
 CPU part (always runs): ops.reference.lion_step vs the oracle below over several steps (pieces, gaps,
 two param groups, a param straddling two ranks' shards), the found_inf skip, the 'cpu' and
 'reference' backends of ops.lion_step agreeing bitwise, and garbage in the gaps left bitwise unchanged.
-CUDA part (``@pytest.mark.cuda``; skipped without a GPU or without the compiled extension): the
-kernel of megatron_opt.ops.cuda vs the oracle and vs the reference run on the same CUDA tensors, for
-fp32/bf16/fp16 grads and param_out dtypes, garbage in the padding gaps left bitwise untouched, the found_inf skip, misaligned
-views and more param groups than travel in the kernel arguments. The wrapper tests also run on CPU
-whenever the extension is built (its device check is bypassed so the call reaches the compiled module).
+CUDA part (``@pytest.mark.cuda``; skipped without a GPU or without the compiled extension): the kernel of
+megatron_opt.ops.cuda vs the oracle and vs the reference run on the same CUDA tensors, for fp32/bf16/fp16
+grads and param_out dtypes, garbage in the padding gaps left bitwise untouched, the found_inf skip, misaligned
+views and more param groups than travel in the kernel arguments. The wrapper tests also run on CPU whenever
+the extension is built (its device check is bypassed so the call reaches the compiled module).
 
 Lion: c = beta1*m + (1-beta1)*g;  w = w*(1 - lr*wd) - lr*sign(c);  m = beta2*m + (1-beta2)*g,
 with g = grad * grad_scale and sign(0) = sign(NaN) = 0 (torch.sign).
@@ -23,7 +23,8 @@ import torch
 import megatron_opt.ops as ops
 from tests.kernels import front
 from megatron_opt.ops.piece_table import PieceTable, full_table
-from tests.support.gap_helpers import as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case, piece_mask, with_gap_garbage
+from tests.support.gap_helpers import (as_bits, assert_gap_run, assert_gaps_unchanged, gapped_bounds, many_groups_case,
+                                       piece_mask, with_gap_garbage)
 from tests.support.common import assert_within as _assert_within
 
 LR = [1e-2, 3e-3]
@@ -592,7 +593,8 @@ def test_lion_wrapper_validation(wrapper):
     with pytest.raises(ValueError, match="contiguous"):
         front.lion_step(grad, master, torch.zeros(32, device=dev)[::2], None, table, **kw, backend=backend)
     with pytest.raises(ValueError, match="one element"):
-        front.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)}, backend=backend)
+        front.lion_step(grad, master, m, None, table, **{**kw, "grad_scale": torch.ones(2, device=dev)},
+                        backend=backend)
     with pytest.raises(TypeError, match="found_inf"):
         front.lion_step(grad, master, m, None, table, **kw, found_inf=torch.zeros(1, dtype=torch.float64, device=dev),
                       backend=backend)

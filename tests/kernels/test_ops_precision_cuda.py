@@ -119,7 +119,8 @@ def assert_bitwise(a: ops.ShardOperands, b: ops.ShardOperands, what: str, mask=N
         if not torch.equal(bx, by):
             bad = (bx != by).nonzero().flatten()
             raise AssertionError(f"{what}: {name} differs bitwise at {bad.numel()} elements, first "
-                                 f"{int(bad[0])}: {x.flatten()[int(bad[0])].item()!r} vs {y.flatten()[int(bad[0])].item()!r}")
+                                 f"{int(bad[0])}: {x.flatten()[int(bad[0])].item()!r} "
+                                 f"vs {y.flatten()[int(bad[0])].item()!r}")
 
 
 def assert_fp32_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:

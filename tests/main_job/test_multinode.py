@@ -69,7 +69,8 @@ def _run_launchers(launchers: list[list[str]], log_json, out_dir, name: str) -> 
                 proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        logs = "".join(f"--- {name}{i} stdout ---\n{out.read_text()[-3000:]}\n--- stderr ---\n{err.read_text()[-3000:]}\n"
+        logs = "".join(f"--- {name}{i} stdout ---\n{out.read_text()[-3000:]}\n"
+                       f"--- stderr ---\n{err.read_text()[-3000:]}\n"
                        for i, (_, out, err) in enumerate(procs))
         hung = [i for i, (proc, _, _) in enumerate(procs) if proc.poll() is None]
         assert not hung, f"launcher(s) {hung} still running after {RUN_TIMEOUT_S} s:\n{logs}"

@@ -28,7 +28,8 @@ def _steps(log_json) -> dict[int, dict]:
     return {r["iteration"]: r for r in map(json.loads, log_json.read_text().splitlines())}
 
 
-@pytest.mark.parametrize("world, precision, save_mode", [(2, "fp32", "sync"), (3, "bf16", "async"), (1, "fp16", "sync")])
+@pytest.mark.parametrize("world, precision, save_mode",
+                         [(2, "fp32", "sync"), (3, "bf16", "async"), (1, "fp16", "sync")])
 def test_pretrain_resume_is_bit_exact(tmp_path, world, precision, save_mode):
     flags = [f"--{precision}"] if precision != "fp32" else []
     if precision == "fp16":

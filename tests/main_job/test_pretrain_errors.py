@@ -31,7 +31,8 @@ SMALL = ["--hidden", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "
 BAD = [
     (["--heads", "3"], ["--hidden 128", "--heads 3", "not divisible"]),
     (["--hidden", "30", "--heads", "4"], ["--hidden 30", "--heads 4"]),
-    (["--steps", "3", "--warmup-steps", "5"], ["--warmup-steps 5", "--steps 3", "lower --warmup-steps or raise --steps"]),
+    (["--steps", "3", "--warmup-steps", "5"],
+     ["--warmup-steps 5", "--steps 3", "lower --warmup-steps or raise --steps"]),
     (["--steps", "10", "--warmup-steps", "-1"], ["--warmup-steps -1"]),
     (["--fp16", "--initial-loss-scale", "inf"], ["--initial-loss-scale", "got inf"]),
     (["--fp16", "--initial-loss-scale", "nan"], ["--initial-loss-scale", "got nan"]),

@@ -466,7 +466,8 @@ CONTRADICTIONS = [
     (["--lr-decay-style", "WSD"], ["--lr-decay-style WSD needs --lr-wsd-decay-iters"]),
     (["--overlap-param-gather"], ["--overlap-param-gather needs --use-distributed-optimizer"]),
     (["--grad-reduce-in-bf16"], ["--grad-reduce-in-bf16 needs --bf16"]),
-    (["--loss-mode", "mean", "--calculate-per-token-loss"], ["--loss-mode mean contradicts --calculate-per-token-loss"]),
+    (["--loss-mode", "mean", "--calculate-per-token-loss"],
+     ["--loss-mode mean contradicts --calculate-per-token-loss"]),
     (["--global-batch-size", "16", "--num-microbatches", "3", "--micro-batch-size", "2"],
      ["--global-batch-size 16 contradicts --num-microbatches 3"]),
     (["--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"], ["are exclusive"]),
@@ -527,8 +528,10 @@ def test_unsupported_flags_are_listed_in_one_message(monkeypatch, capsys):
                  "  --reset-position-ids: not supported yet: this data or tokenizer option",
                  "  --tiktoken-pattern v2: not supported yet: this data or tokenizer option",
                  "  --transformer-impl local: not supported yet: the model is this script's own GPT",
-                 "  --swiglu: not supported yet: the model is this script's own GPT", "  --num-query-groups 8: not supported yet: the model",
-                 "  --hidden-dropout 0.1: not supported yet: the model", "  --attention-backend fused: not supported yet: the model",
+                 "  --swiglu: not supported yet: the model is this script's own GPT",
+                 "  --num-query-groups 8: not supported yet: the model",
+                 "  --hidden-dropout 0.1: not supported yet: the model",
+                 "  --attention-backend fused: not supported yet: the model",
                  "  --full-validation: not supported yet: this evaluation option is not implemented (supported: "
                  "--eval-interval --eval-iters --skip-train)",
                  "  --profile: not supported yet: profiling is not implemented"]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -50,7 +49,8 @@ def tp1(tmp_path_factory) -> list[dict]:
 def _assert_same_run(records: list[dict], baseline: list[dict]) -> None:
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     for ours, theirs in zip(records, baseline):
-        assert ours["consumed_samples"] == theirs["consumed_samples"] and ours["learning_rate"] == theirs["learning_rate"]
+        assert (ours["consumed_samples"] == theirs["consumed_samples"]
+                and ours["learning_rate"] == theirs["learning_rate"])
         # iteration 1's loss compares the initial weights; the later ones the updates too
         assert ours["lm loss"] == pytest.approx(theirs["lm loss"], rel=LOSS_RTOL, abs=0), (ours, theirs)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL, abs=0), (ours, theirs)

@@ -42,7 +42,8 @@ def test_muon_flags_take_megatron_lm_defaults_and_reach_the_config():
                     "--muon-tp-mode", "blockwise", "--muon-extra-scale-factor", "0.5", "--muon-use-syrk",
                     "--muon-scalar-optimizer", "adam")
     assert (given.muon_momentum, given.muon_split_qkv, given.muon_nesterov, given.muon_scale_mode,
-            given.muon_fp32_matmul_prec, given.muon_num_ns_steps, given.muon_tp_mode, given.muon_extra_scale_factor) == (
+            given.muon_fp32_matmul_prec, given.muon_num_ns_steps, given.muon_tp_mode,
+            given.muon_extra_scale_factor) == (
         0.7, False, True, "unit_rms_norm", "high", 3, "blockwise", 0.5)
     dist = _config("--optimizer", "dist_muon", "--overlap-param-gather")
     assert (dist.optimizer, dist.use_distributed_optimizer, dist.overlap_param_gather) == ("muon", True, True)

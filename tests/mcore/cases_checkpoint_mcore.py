@@ -158,7 +158,7 @@ class Run:
         return {n: p.detach().double().clone() for n, p in self.model.named_parameters()}
 
 
-# ----------------------------------------------------------------------------- megatron-core's optimizer (torch AdamW fallback)
+# --------------------------------------------------------------------- megatron-core's optimizer (torch AdamW fallback)
 def _inner(opt) -> list[torch.optim.Optimizer]:
     return [c.optimizer for c in opt.chained_optimizers]
 

@@ -32,7 +32,7 @@ from tests.support import reference_muon as rm
 
 import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
-from megatron.core import dist_checkpointing, parallel_state  # noqa: E402
+from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402

@@ -183,7 +183,8 @@ def run_unwrap_and_install() -> dict:
         out["late_import_is_ours"] = LateDDP is mo.DistributedDataParallel
         out["early_import_is_ours"] = early.DDP is mo.DistributedDataParallel
         # megatron_opt's factory behind install()'s entry, which tags QKV weights for Muon first (muon_call.py)
-        out["early_factory_is_ours"] = early.get_megatron_optimizer is megatron_opt.megatron.muon_call.get_megatron_optimizer
+        out["early_factory_is_ours"] = (early.get_megatron_optimizer
+                                        is megatron_opt.megatron.muon_call.get_megatron_optimizer)
         out["wrapper_tuple_has_ours"] = mo.DistributedDataParallel in early.WRAPPERS
         config = mcore_cpu.transformer_config(True)
         model = mcore_cpu.build_gpt(config)
@@ -256,7 +257,8 @@ def run_param_groups_match_megatron_core(kind: str, decoupled: bool) -> list:
     mcore_cpu.init_parallel_state()
     config = mcore_cpu.transformer_config(True)
     model = mcore_cpu.build_gpt(config)
-    ddp = mo.DistributedDataParallel(config=config, ddp_config=CoreDDPConfig(use_distributed_optimizer=True), module=model)
+    ddp = mo.DistributedDataParallel(config=config, ddp_config=CoreDDPConfig(use_distributed_optimizer=True),
+                                     module=model)
     opt_config = CoreOptimizerConfig(lr=LR, min_lr=MIN_LR, weight_decay=WD, use_distributed_optimizer=True,
                                      decoupled_lr=5 * LR if decoupled else None,
                                      decoupled_min_lr=LR / 10 if decoupled else None)

@@ -102,7 +102,8 @@ def transformer_config(layout: Layout, per_token: bool, dtype: torch.dtype, whol
         moe_router_topk=2, moe_router_load_balancing_type="none", moe_token_dispatcher_type=layout.dispatcher,
         expert_model_parallel_size=layout.ep if split else 1,
         expert_tensor_parallel_size=layout.etp if split else None,
-        gated_linear_unit=layout.glu, activation_func=torch.nn.functional.silu if layout.glu else torch.nn.functional.gelu)
+        gated_linear_unit=layout.glu,
+        activation_func=torch.nn.functional.silu if layout.glu else torch.nn.functional.gelu)
 
 
 # ----------------------------------------------------------------------------- reference weights -> shards
@@ -173,8 +174,10 @@ def build_chunks(layout: Layout, config: TransformerConfig, whole: dict) -> list
         with cpu_megatron_core():
             chunk = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=layout.experts),
                              vocab_size=mcore_cpu.VOCAB, max_sequence_length=mcore_cpu.SEQ,
-                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                                vp_stage=vp_stage),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                                                vp_stage=vp_stage),
                              share_embeddings_and_output_weights=True, vp_stage=vp_stage)
         with torch.no_grad():
             for ref, param, _ in chunk_params(chunk, whole):

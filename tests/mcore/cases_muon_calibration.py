@@ -48,7 +48,8 @@ def schedule(global_batch: int) -> dict:
 
 def transformer_config(tp: int, whole: bool) -> "cmp.TransformerConfig":
     layout = cmp.Layout(tp=tp)
-    return dataclasses.replace(cmp.transformer_config(layout, True, torch.float32, whole=whole), num_query_groups=GROUPS)
+    return dataclasses.replace(cmp.transformer_config(layout, True, torch.float32, whole=whole),
+                               num_query_groups=GROUPS)
 
 
 def optimizer_config(case: dict, distributed: bool) -> core_optimizer.OptimizerConfig:
@@ -131,7 +132,8 @@ def setup(impl: str, case: dict, chunks: list, config, global_batch: int):
     ours = impl == "megatron_opt"
     overlap = ours or case.get("core_overlap", False)
     ddp_config = CoreDDPConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, overlap_param_gather=ours,
-                               use_distributed_optimizer=ours, bucket_size=case.get("bucket_size", 4000) if ours else None)
+                               use_distributed_optimizer=ours,
+                               bucket_size=case.get("bucket_size", 4000) if ours else None)
     ddps = [core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
             for chunk in chunks]
     if ours:

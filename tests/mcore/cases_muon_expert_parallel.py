@@ -11,7 +11,6 @@ hold [dense Muon, dense AdamW, expert Muon, expert AdamW].
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.distributed as dist

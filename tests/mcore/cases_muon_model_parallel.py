@@ -63,7 +63,8 @@ def schedule(global_batch: int) -> dict:
 
 
 def transformer_config(layout: cmp.Layout, whole: bool = False):
-    return dataclasses.replace(cmp.transformer_config(layout, True, torch.float32, whole=whole), num_query_groups=GROUPS)
+    return dataclasses.replace(cmp.transformer_config(layout, True, torch.float32, whole=whole),
+                               num_query_groups=GROUPS)
 
 
 def _tag_qkv(model: torch.nn.Module) -> None:

@@ -104,7 +104,8 @@ def run_stock(launch: str, impl: str, steps: int = 3, ga: int = 2, mb: int = 2, 
             if success:
                 sched.step(increment=ga * mb * world)
             out["steps"].append((bool(success), float(norm), num_zeros, float(opt.get_loss_scale())))
-            out["losses"].append(float(torch.stack([entry["lm loss"][0] / entry["lm loss"][1] for entry in losses]).mean()))
+            out["losses"].append(float(torch.stack([entry["lm loss"][0] / entry["lm loss"][1]
+                                                    for entry in losses]).mean()))
         if ddp_config.overlap_param_gather:  # the last step's params arrive at the next forward
             ddp.disable_forward_pre_hook(param_sync=True)
         out["params"] = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])

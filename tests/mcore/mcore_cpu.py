@@ -74,7 +74,8 @@ def build_gpt(config: TransformerConfig, seed: int = 0, tied: bool = False) -> G
     shares the embedding's weight (Megatron-LM's default; GPTModel's default is untied)."""
     torch.manual_seed(seed)
     with cpu_megatron_core():
-        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
+        return GPTModel(config=config,
+                        transformer_layer_spec=get_gpt_layer_local_spec(num_experts=config.num_moe_experts),
                         vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
 
 

@@ -8,7 +8,8 @@ from tests.support.parallel_layout import ParallelSizes, orthogonal_rank_groups,
 
 def test_rank_order_matches_megatron_core():
     for sizes, mask in [([2, 1, 1, 2, 2], [False, True, False, True, False]), ([2, 2, 1, 2, 1], [True] * 5),
-                        ([1, 2, 2, 2, 1], [False, False, True, False, True]), ([2, 3, 1, 1, 2], [True, False] * 2 + [True])]:
+                        ([1, 2, 2, 2, 1], [False, False, True, False, True]),
+                        ([2, 3, 1, 1, 2], [True, False] * 2 + [True])]:
         world = 1
         for s in sizes:
             world *= s

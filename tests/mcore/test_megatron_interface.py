@@ -205,7 +205,8 @@ def test_force_all_reduce_gives_every_rank_the_whole_gradient(pools):
 def _opt(**kw):
     model = TinyLM()
     ddp = mo.DistributedDataParallel(_tc(), CoreDDPConfig(use_distributed_optimizer=True), model)
-    return model, ddp, mo.get_megatron_optimizer(CoreOptimizerConfig(lr=1e-3, use_distributed_optimizer=True, **kw), [ddp])
+    return model, ddp, mo.get_megatron_optimizer(CoreOptimizerConfig(lr=1e-3, use_distributed_optimizer=True, **kw),
+                                                 [ddp])
 
 
 def test_optimizer_members_megatron_lm_reads():
@@ -221,7 +222,8 @@ def test_optimizer_members_megatron_lm_reads():
     for call in (lambda: opt.save_parameter_state("x"), lambda: opt.load_parameter_state("x")):
         with pytest.raises(mo.UnsupportedConfigError, match="torch_dist"):
             call()
-    with pytest.raises(ValueError, match="not in the model's sharded state dict"):  # tests/mcore/test_checkpoint_mcore.py
+    # (tests/mcore/test_checkpoint_mcore.py)
+    with pytest.raises(ValueError, match="not in the model's sharded state dict"):
         opt.sharded_state_dict({}, metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     assert opt.get_loss_scale().item() == 1.0
 

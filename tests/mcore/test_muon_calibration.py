@@ -71,7 +71,8 @@ def check_logged(results: list, norm_rtol: float = NORM_RTOL, loss_atol: float =
             for step, (loss, want) in enumerate(zip(got["losses"], ref["losses"])):
                 assert loss is None or abs(loss - want) <= loss_atol, f"rank {rank} {impl} step {step}: loss"
             for step, (zeros, want, core) in enumerate(zip(got["zeros"], ref["zeros"], r[CORE]["zeros"])):
-                assert abs(zeros - want) <= zeros_slack(want), f"rank {rank} {impl} step {step}: zeros {zeros} vs {want}"
+                assert abs(zeros - want) <= zeros_slack(want), \
+                    f"rank {rank} {impl} step {step}: zeros {zeros} vs {want}"
                 assert abs(zeros - core) <= zeros_slack(core), f"rank {rank} {impl} step {step}: zeros vs core"
         assert r[OURS]["optimizer"].startswith("megatron_opt."), r[OURS]["optimizer"]
         assert r[CORE]["optimizer"].startswith("megatron.core."), r[CORE]["optimizer"]
@@ -83,7 +84,8 @@ def check_within_calibration(results: list) -> None:
         assert r[CORE]["update_error"] <= CORE_UPDATE_ERROR, (rank, r[CORE])  # the harness is sound
         for key in ("update_error", "muon_update_error", "param_abs", "momentum_rel"):
             allowed = FACTOR * max(r[CORE][key], r["fp32_torch"][key])
-            assert r[OURS][key] <= allowed, f"rank {rank}: {key} {r[OURS][key]:.3g} > {FACTOR} x calibration {allowed / FACTOR:.3g}"
+            assert r[OURS][key] <= allowed, \
+                f"rank {rank}: {key} {r[OURS][key]:.3g} > {FACTOR} x calibration {allowed / FACTOR:.3g}"
             # Two fp32 runs each this far from float64 are at most about twice that apart.
             assert r["ours_vs_core"][key] <= allowed, f"rank {rank}: ours vs core {key} {r['ours_vs_core'][key]:.3g}"
 
@@ -110,7 +112,8 @@ def test_dp2_medium_precision_bf16_newton_schulz(pools):
     check_logged(results, norm_rtol=1e-2, loss_atol=1e-2)  # later steps see the earlier bf16 errors
     for rank, r in enumerate(results):
         ours, core = r[OURS]["update_error"], r[CORE]["update_error"]
-        assert 100 * r["fp32_torch"]["update_error"] < ours <= min(BF16_FACTOR * core, BF16_UPDATE_ERROR), (rank, ours, core)
+        assert 100 * r["fp32_torch"]["update_error"] < ours <= min(BF16_FACTOR * core, BF16_UPDATE_ERROR), \
+            (rank, ours, core)
         assert r["ours_vs_core"]["update_error"] <= BF16_VS_CORE, (rank, r["ours_vs_core"])
 
 

@@ -40,7 +40,8 @@ def _config_classes() -> list[tuple[str, type]]:
 
 @pytest.mark.parametrize("kind, cls", _config_classes(), ids=lambda x: getattr(x, "__name__", x))
 def test_every_field_of_the_installed_megatron_core_is_decided(kind, cls):
-    ours = {f.name for f in dataclasses.fields(mo.OptimizerConfig if kind == "optimizer" else mo.DistributedDataParallelConfig)}
+    ours = {f.name for f in dataclasses.fields(mo.OptimizerConfig if kind == "optimizer"
+                                               else mo.DistributedDataParallelConfig)}
     undecided = sorted(f.name for f in dataclasses.fields(cls)
                        if f.name not in ours and core_config_fields.treatment(kind, f.name) is None)
     assert not undecided, (f"megatron-core's {cls.__name__} has fields megatron_opt has not decided; add each to "
@@ -143,6 +144,7 @@ def test_megatron_lm_main_pretrain_gpt_muon_sharded_matches_megatron_core(tmp_pa
     (pair,) = json.loads(summary.read_text())
     curve = pair["megatron_opt"]["curve"]
     assert len(curve) == 3 and pair["diff"]["n"] == 3, out.stdout[-2000:]
-    assert pair["args"][pair["args"].index("--optimizer") + 1] == "muon" and "--use-distributed-optimizer" in pair["args"]
+    assert (pair["args"][pair["args"].index("--optimizer") + 1] == "muon"
+            and "--use-distributed-optimizer" in pair["args"])
     assert pair["diff"]["dloss"] <= 1e-6 and pair["diff"]["dnorm"] <= 1e-5, pair["diff"]
     assert pair["diff"]["lines_same"], out.stdout[-2000:]

@@ -62,7 +62,8 @@ def assert_gap_run(names, before, grad, clean, dirty, reference, gap: torch.Tens
     assert torch.equal(as_bits(grad), as_bits(before[0])), "grad written"
     for c, d, name in zip(clean, dirty, names):
         if c is not None:
-            assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), f"kernel: {name} pieces differ from the zero-gap run"
+            assert torch.equal(as_bits(d)[piece], as_bits(c)[piece]), \
+                f"kernel: {name} pieces differ from the zero-gap run"
 
 
 def pieces_table(lens: list[int], gaps: list[int], groups: int = 3, lead: int = 0) -> PieceTable:

@@ -86,4 +86,5 @@ def core_kwargs(item: dict, cls: type) -> dict[str, Any]:
 
 
 
-__all__ = ["FIXTURE", "LABELS", "LAUNCHES", "installed_label", "load", "entry", "passed", "rebuilt", "core_kwargs", "value"]
+__all__ = ["FIXTURE", "LABELS", "LAUNCHES", "installed_label", "load", "entry", "passed", "rebuilt", "core_kwargs",
+           "value"]

@@ -86,7 +86,8 @@ def scale_factor(rows: int, cols: int, mode: str) -> float:
     raise ValueError(f"unknown muon scale mode {mode!r}")
 
 
-def _orthogonalize_block(u: torch.Tensor, split: Optional[tuple[int, ...]], steps: int, scale_mode: str) -> torch.Tensor:
+def _orthogonalize_block(u: torch.Tensor, split: Optional[tuple[int, ...]], steps: int,
+                         scale_mode: str) -> torch.Tensor:
     """One TP block: whole, or its Q, K and V pieces apart (each across all the block's query groups)."""
     if split is None:
         return newton_schulz(u, steps) * scale_factor(*u.shape, scale_mode)
@@ -187,7 +188,8 @@ def muon_matrix(name: str, param: torch.Tensor, *, tp_size: int = 1, expert_tp_s
     split = None
     if split_shapes is not None and "linear_qkv.weight" in name and param.shape[0] % sum(split_shapes) == 0:
         split = tuple(split_shapes)
-    return MuonMatrix(qkv_split_shapes=split, tp_size=size, partition_dim=None if partition_dim == -1 else partition_dim)
+    return MuonMatrix(qkv_split_shapes=split, tp_size=size,
+                      partition_dim=None if partition_dim == -1 else partition_dim)
 
 
 def _no_weight_decay(name: str, param: torch.Tensor) -> bool:

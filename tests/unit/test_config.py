@@ -31,6 +31,7 @@ DDP_UNSUPPORTED = [
     ("use_custom_fsdp", True),
     ("nccl_ub", True),
     ("reduce_scatter_with_fp32_accumulation", True),
+    ("delay_wgrad_compute", True),
 ]
 OPT_UNSUPPORTED = [
     ("main_grads_dtype", torch.bfloat16),
@@ -122,7 +123,6 @@ def test_config_errors_separate_invalid_from_unsupported():
         dict(average_in_collective=True),
         dict(pad_buckets_for_high_nccl_busbw=True),
         dict(align_param_gather=True),
-        dict(delay_wgrad_compute=True),
     ],
 )
 def test_ddp_supported_values_accepted(kwargs):

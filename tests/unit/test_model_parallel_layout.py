@@ -22,7 +22,6 @@ from tests.support.parallel_layout import (
     ParallelSizes,
     chunk_params,
     logical_numels,
-    orthogonal_rank_groups,
     owned_elements,
     rank_coordinates,
     world_counts,

@@ -111,7 +111,8 @@ def _run_op(rule, inp: Float64Inputs, raw_grad: torch.Tensor, grad_scale: float,
     n = inp.master.numel()
     master = inp.master.float()
     state = {k: v.float() for k, v in inp.state.items()}
-    plan = ops.StepPlan((ops.ShardOperands(full_table(n), raw_grad, master, tuple(state[k] for k in rule.state_dtypes())),))
+    plan = ops.StepPlan((ops.ShardOperands(full_table(n), raw_grad, master,
+                                           tuple(state[k] for k in rule.state_dtypes())),))
     rule.apply(plan, lr_wd=ops.lr_wd_table([inp.lr], [inp.weight_decay], master.device),
                grad_scale=torch.tensor([grad_scale]), step=torch.tensor([inp.step]), backend=backend)
     return {"master": master, **state}

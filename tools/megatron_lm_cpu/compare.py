@@ -6,8 +6,9 @@
 
 DP2-muon and TP2-muon (Megatron-LM main only; TP2-muon adds ``--tensor-model-parallel-size 2 --muon-tp-mode
 duplicated``; --extra comes after a layout's flags, so it overrides them) train ``--optimizer muon
---muon-fp32-matmul-prec high`` with the same flags: megatron-core's LayerWiseDistributedOptimizer (in fp32 its non-distributed Muon: main d98e8a64's LayerWise
-fails at start-up in fp32) against megatron_opt's sharded Muon.
+--muon-fp32-matmul-prec high`` with the same flags: megatron-core's LayerWiseDistributedOptimizer (in fp32 its
+non-distributed Muon: main d98e8a64's LayerWise fails at start-up in fp32) against megatron_opt's sharded
+Muon.
 
 For each Megatron-LM version (a source tree with megatron/, pretrain_gpt.py, gpt_builders.py and
 model_provider.py, and an interpreter with
@@ -197,14 +198,17 @@ def row(label: str, d: dict, iterations) -> str:
     zeros = "all equal" if not d["zeros_differ"] else "differ at " + ", ".join(
         f"it{i}: {x:g} vs {y:g}" for i, x, y in d["zeros_differ"])
     return (f"{label:<34} {d['n']}/{len(iterations)} its  max|Δloss| {d['dloss']:.2e}  max|Δgnorm| {d['dnorm']:.2e}  "
-            f"log lines {({True: 'equal', False: 'DIFFER', None: 'n/a'})[d['lines_same']]}  loss scale {'equal' if d['scale_same'] else 'DIFFER'}"
+            f"log lines {({True: 'equal', False: 'DIFFER', None: 'n/a'})[d['lines_same']]}  "
+            f"loss scale {'equal' if d['scale_same'] else 'DIFFER'}"
             f"  skipped {d['skipped']}  zeros: {zeros}")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--v0161", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/v0161", "/work/main/.venv/bin/python"])
-    p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"), default=["/work/mlm/main", "/work/main/.venv312/bin/python"])
+    p.add_argument("--v0161", nargs=2, metavar=("DIR", "PYTHON"),
+                   default=["/work/mlm/v0161", "/work/main/.venv/bin/python"])
+    p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"),
+                   default=["/work/mlm/main", "/work/main/.venv312/bin/python"])
     p.add_argument("--versions", nargs="+", default=["v0161", "main"], choices=["v0161", "main"])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS) + list(MUON_LAYOUTS),
                    choices=list(LAYOUTS) + list(MUON_LAYOUTS),

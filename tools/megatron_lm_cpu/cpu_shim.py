@@ -136,7 +136,8 @@ def _patches() -> list[tuple[object, str, object]]:
         (cuda, "max_memory_reserved", lambda device=None: 0),
         (cuda, "reset_peak_memory_stats", lambda device=None: None),
         (cuda, "memory_stats", lambda device=None: {}),
-        (torch.utils.data.DataLoader, "__init__", _data_loader_with_own_generator(torch.utils.data.DataLoader.__init__)),
+        (torch.utils.data.DataLoader, "__init__",
+         _data_loader_with_own_generator(torch.utils.data.DataLoader.__init__)),
     ]
 
 

@@ -48,7 +48,8 @@ def use_installed_dataset_helpers(mlm_dir: str) -> None:
         if not os.path.exists(built) or a.read() != b.read():
             return
     name = "megatron.core.datasets.helpers_cpp"
-    spec = importlib.util.spec_from_file_location(name, built, loader=importlib.machinery.ExtensionFileLoader(name, built))
+    spec = importlib.util.spec_from_file_location(name, built,
+                                                  loader=importlib.machinery.ExtensionFileLoader(name, built))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module

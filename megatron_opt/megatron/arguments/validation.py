@@ -51,11 +51,12 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, data_paralle
 
 
 def validate_megatron_args(args: argparse.Namespace, world_size: int = 1) -> None:
-    """Check the parsed flags as Megatron-LM's validate_args does, plus the ranges megatron_opt needs,
-    and fill in what they imply (as validate_args does): ``world_size``, ``data_parallel_size`` (world /
-    (TP x PP x CP)), ``virtual_pipeline_model_parallel_size``, ``global_batch_size``, ``num_microbatches``, ``train_iters`` (also for --train-samples),
-    ``lr_warmup_iters``, ``loss_mode`` / ``calculate_per_token_loss``. Every config megatron_opt
-    builds from them is built once here, so its own checks fail now too. Raises MegatronArgumentError.
+    """Check the parsed flags as Megatron-LM's validate_args does, plus the ranges megatron_opt needs, and
+    fill in what they imply (as validate_args does): ``world_size``, ``data_parallel_size`` (world / (TP x PP
+    x CP)), ``virtual_pipeline_model_parallel_size``, ``global_batch_size``, ``num_microbatches``,
+    ``train_iters`` (also for --train-samples), ``lr_warmup_iters``, ``loss_mode`` /
+    ``calculate_per_token_loss``. Every config megatron_opt builds from them is built once here, so its own
+    checks fail now too. Raises MegatronArgumentError.
     """
     name = FlagNames.of(args)
     args.world_size = world_size

@@ -267,5 +267,6 @@ def recompute_master(w0: torch.Tensor, o: torch.Tensor, lr: float, weight_decay:
     return decayed - lr * o, rounding_bound(decayed, lr * o) + lr * o_tolerance
 
 
-__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error", "newton_schulz", "scale_factor", "qkv_split_of", "float32_matmul_precision", "QUINTIC", "NS_EPS", "SCALE_MODES",
-           "MATMUL_PRECISIONS", "TP_MODES", "QKV_SPLIT_ATTR"]
+__all__ = ["Muon", "uses_muon", "recompute_momentum", "recompute_master", "o_norm_bound", "ns_relative_error",
+           "newton_schulz", "scale_factor", "qkv_split_of", "float32_matmul_precision", "QUINTIC", "NS_EPS",
+           "SCALE_MODES", "MATMUL_PRECISIONS", "TP_MODES", "QKV_SPLIT_ATTR"]
