@@ -60,9 +60,9 @@ def agree_each_step_traffic(fail_on: int, names_differ: bool) -> dict:
     return {"error": error, "reduced": reduced, "gathered": len(gathered)}
 
 
-def reduce_scatter_without_backend_support() -> dict:
-    """A backend refusing reduce-scatter gets the all-reduce emulation on that call only: the next
-    call (the backend able again) goes native. Nothing is remembered between calls."""
+def reduce_scatter_on_gloo_is_an_all_reduce() -> dict:
+    """On CPU tensors (gloo) reduce_scatter is an in-place all-reduce, whether or not the backend offers a
+    reduce-scatter: gloo's native one is never called, and the shard is the reduce-scatter's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
     real = {n: getattr(dist, n) for n in names}
@@ -74,9 +74,9 @@ def reduce_scatter_without_backend_support() -> dict:
     def count(fn):
         return lambda *a, **k: (native_calls.append(1), fn(*a, **k))[1]
 
-    def one_round() -> bool:
+    def one_round(in_place: bool) -> bool:
         full = torch.arange(4.0 * world) + rank
-        shard = torch.empty(4)
+        shard = full[rank * 4 : (rank + 1) * 4] if in_place else torch.empty(4)
         collectives.reduce_scatter(full, shard, None, async_op=False)
         expected = sum(torch.arange(4.0 * world) + r for r in range(world))[rank * 4 : (rank + 1) * 4]
         return torch.equal(shard, expected)
@@ -84,14 +84,14 @@ def reduce_scatter_without_backend_support() -> dict:
     try:
         for n in names:
             setattr(dist, n, refuse)
-        emulated = one_round()
+        refused = one_round(False) and one_round(True)
         for n in names:
             setattr(dist, n, count(real[n]))
-        native = one_round()
+        offered = one_round(False) and one_round(True)
     finally:
         for n, fn in real.items():
             setattr(dist, n, fn)
-    return {"emulated_ok": emulated, "native_ok": native, "native_calls_after": len(native_calls)}
+    return {"refused_ok": refused, "offered_ok": offered, "native_calls": len(native_calls)}
 
 
 def agree_each_step_over_two_groups(fail_on: int) -> str:

@@ -381,10 +381,11 @@ def rule07_one_dtype_and_complete_accumulation(overlap: bool) -> dict:
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
         bucket_size=16 if overlap else None))
     dtypes = []
-    rs_name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-    real_rs = getattr(dist, rs_name)
-    setattr(dist, rs_name,
-            lambda out, inp, *a, **k: (dtypes.append((out.dtype, inp.dtype)), real_rs(out, inp, *a, **k))[1])
+    # every collective megatron_opt issues goes through megatron_opt.collectives (on gloo its
+    # reduce-scatter is an all-reduce underneath): observe the reduce-scatter there
+    real_rs = collectives.reduce_scatter
+    collectives.reduce_scatter = (
+        lambda full, shard, *a, **k: (dtypes.append((shard.dtype, full.dtype)), real_rs(full, shard, *a, **k))[1])
     try:
         ddp.zero_grad_buffer()
         for i, ctx in enumerate(microbatch_contexts(ddp, 3)):
@@ -394,7 +395,7 @@ def rule07_one_dtype_and_complete_accumulation(overlap: bool) -> dict:
                 model.flush(ddp.add_grad)
         ddp.finish_grad_sync()
     finally:
-        setattr(dist, rs_name, real_rs)
+        collectives.reduce_scatter = real_rs
     ours = full_reduced_grads(ddp)
     for r in range(world):  # the fp64 reference: the same global batch, summed, mean over ranks
         for i in range(3):

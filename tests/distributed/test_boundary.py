@@ -181,7 +181,8 @@ def test_ops_backend_is_an_argument_and_the_environment_overrides_it(monkeypatch
         ops.grad_stats(ops.StepPlan((ops.ShardOperands(table, grad),), update=False), torch.ones(1), stats, True,
                        backend=backend)
         results[backend] = stats
-    assert torch.allclose(results["cpu"], results["reference"], rtol=1e-12)
+    # the CPU pass sums fp32 blocks, the reference float64 elements (tests/kernels/test_ops_cpu.py bounds it)
+    assert torch.allclose(results["cpu"], results["reference"], rtol=1e-6)
     assert ops.resolve_backend(grad) == "cpu"
     assert ops.resolve_backend(grad, "reference") == "reference"
     monkeypatch.setenv("MEGATRON_OPT_OPS", "reference")

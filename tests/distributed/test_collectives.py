@@ -45,9 +45,9 @@ def test_agree_each_step_is_one_small_all_reduce_unless_something_is_wrong(pools
             assert res["error"].startswith("RankError: train_step failed on rank 1: ValueError: bad batch"), res
 
 
-def test_reduce_scatter_fallback_is_decided_per_call(pools):
-    for res in pools(2).run(cc.reduce_scatter_without_backend_support):
-        assert res == {"emulated_ok": True, "native_ok": True, "native_calls_after": 1}, res
+def test_reduce_scatter_on_gloo_is_an_in_place_all_reduce(pools):
+    for res in pools(3).run(cc.reduce_scatter_on_gloo_is_an_all_reduce):
+        assert res == {"refused_ok": True, "offered_ok": True, "native_calls": 0}, res
 
 
 def test_agree_each_step_reaches_ranks_through_later_groups(pools):
