@@ -189,6 +189,9 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
     # What the optimizer reads of the step (the GradSource protocol), from the named per-step state.
     step_id = property(lambda self: self._state.step_id,
                        doc="Advanced by every zero_grad_buffer(): the gradients in the buffers belong to this step.")
+    late_gradient = property(lambda self: self._state.late_gradient,
+                             doc="The message of this step's first gradient that reached a backward hook after its "
+                                 "bucket was launched (None: none); the optimizer's step raises it on every rank.")
     grads_received = property(lambda self: self._state.grads_received,
                               doc="Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step).")
     grad_sync_phase = property(lambda self: self._state.phase,
@@ -214,9 +217,9 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         if getattr(param, "grad_added_to_main_grad", False):
             # A fused weight-gradient kernel (gradient_accumulation_fusion: Transformer Engine, apex)
             # already accumulated into main_grad; autograd's grad is a placeholder.
-            self._accumulate(param, None)
+            self._accumulate(param, None, from_hook=True)
         elif grad is not None:
-            self.add_grad(param, grad)
+            self._accumulate(param, grad, from_hook=True)
 
     def add_grad(self, param: torch.nn.Parameter, grad: torch.Tensor) -> None:
         """Accumulate ``grad`` into ``param.main_grad`` (in the buffer dtype) and mark the param ready.
@@ -226,18 +229,26 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
         """
         self._accumulate(param, grad)
 
-    def _accumulate(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor]) -> None:
+    def _accumulate(self, param: torch.nn.Parameter, grad: Optional[torch.Tensor], from_hook: bool = False) -> None:
         buf = self._buffer_of.get(id(param))
         if buf is None:
             raise ValueError("add_grad: this param is not managed by this DistributedDataParallel "
                              "(it has requires_grad=False or belongs to another module).")
         bucket = buf.bucket_of(param)
         if bucket.launched:
-            raise LateGradientError(
+            message = (
                 f"gradient for param '{buf.name_of(param)}' arrived after its bucket {bucket.index} was "
                 f"launched for reduction, so it would be lost (rule 7 of docs/contract.md). Flush deferred weight "
                 f"gradients before finish_grad_sync(), and call zero_grad_buffer() before a new step's backward."
             )
+            if from_hook and self._state.phase is GradSyncPhase.REDUCING:
+                # Raising inside this rank's backward would leave the peers in this step's reductions, which
+                # this rank would never join: note it, let the backward launch the rest, and let the step
+                # raise it on every rank (StepDriver.prepare_grads).
+                if self._state.late_gradient is None:
+                    self._state.late_gradient = message
+                return
+            raise LateGradientError(message)
         if grad is not None:
             param.main_grad.add_(grad)  # accumulate in the buffer dtype, then nothing is replaced
         self._state.grads_received += 1

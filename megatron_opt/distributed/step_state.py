@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Optional
 
 
 class GradSyncPhase(enum.Enum):
@@ -35,6 +36,9 @@ class GradSyncState:
     sync_enabled: bool = True  # False inside no_sync(): gradients accumulate, buckets are not launched
     # Megatron-LM sets it for a step whose main grads it saves whole: all-reduce instead of reduce-scatter.
     force_all_reduce: bool = False
+    # A gradient that reached a backward hook after its bucket was launched, while the reduction was in
+    # flight: raised by the optimizer's step on every rank together (peers wait in this step's collectives).
+    late_gradient: Optional[str] = None
 
     def enter(self, phase: GradSyncPhase) -> None:
         """The one place a chunk's phase changes (a phase hook, e.g. timers, would observe it here)."""
@@ -44,6 +48,7 @@ class GradSyncState:
         """zero_grad_buffer(): a new step's gradients start."""
         self.step_id += 1
         self.grads_received = 0
+        self.late_gradient = None
         self.enter(GradSyncPhase.ACCUMULATING)
 
 

@@ -15,7 +15,8 @@ from .. import collectives
 from ..ops import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 
 STAT_MISSING_BACKWARD = NUM_STATS  # ranks that reached step() with no gradient since zero_grad_buffer()
-STATS_SIZE = NUM_STATS + 1
+STAT_LATE_GRADIENT = NUM_STATS + 1  # ranks where a gradient reached a hook after its bucket was launched
+STATS_SIZE = NUM_STATS + 2
 
 
 def new_stats(device: torch.device) -> torch.Tensor:
@@ -34,5 +35,5 @@ def grad_norm_of(stats: torch.Tensor) -> torch.Tensor:
     return stats[STAT_SUMSQ].reshape(1).sqrt()
 
 
-__all__ = ["STAT_NONFINITE", "STAT_SUMSQ", "STAT_ZEROS", "STAT_MISSING_BACKWARD", "STATS_SIZE", "new_stats",
-           "reduce_stats", "grad_norm_of"]
+__all__ = ["STAT_NONFINITE", "STAT_SUMSQ", "STAT_ZEROS", "STAT_MISSING_BACKWARD", "STAT_LATE_GRADIENT", "STATS_SIZE",
+           "new_stats", "reduce_stats", "grad_norm_of"]

@@ -3,8 +3,9 @@
 The one place the step is decided. From the packed statistics of pass 1 (one SUM all-reduce per
 stats group) it derives, on the device and with no host synchronisation:
 
-  * ``verdict``: APPLY, or why the step is skipped: MISSING_BACKWARD (some rank reached the step with
-    no gradient since zero_grad_buffer(); it outranks everything), NON_FINITE (an inf/NaN gradient
+  * ``verdict``: APPLY, or why the step is skipped: LATE_GRADIENT (on some rank a gradient reached a
+    backward hook after its bucket was launched; it outranks everything), MISSING_BACKWARD (some rank
+    reached the step with no gradient since zero_grad_buffer()), NON_FINITE (an inf/NaN gradient
     element, or a squared norm that overflowed), NORM_OVER_THRESHOLD (grad_norm_skip_threshold);
   * ``grad_norm``: the unscaled global L2 norm, before clipping;
   * ``skip``: the fp32 flag the pass-2 ops read (nonzero: write nothing);
@@ -38,6 +39,7 @@ class Verdict(enum.IntEnum):
     NON_FINITE = 1
     NORM_OVER_THRESHOLD = 2
     MISSING_BACKWARD = 3
+    LATE_GRADIENT = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class DecisionRead:
     grad_norm: float
     num_zeros: int
     missing_backward: int  # ranks that reached the step with no gradient
+    late_gradients: int = 0  # ranks where a gradient reached a hook after its bucket was launched
 
     @property
     def found_inf(self) -> bool:
@@ -60,6 +63,7 @@ class StepDecision:
     def __init__(self, device: torch.device) -> None:
         self.stats = grad_stats.new_stats(device)
         self.missing = torch.zeros((), dtype=torch.float64, device=device)  # this rank's missing-backward flag
+        self.late = torch.zeros((), dtype=torch.float64, device=device)  # this rank's late-gradient flag
         self.verdict = torch.zeros((), dtype=torch.int64, device=device)
         self.grad_norm = torch.zeros(1, dtype=torch.float64, device=device)
         self.skip = torch.zeros(1, dtype=torch.float32, device=device)
@@ -74,6 +78,7 @@ class StepDecision:
             for leaf in leaves:
                 leaf.accumulate_local_stats(stats, loss_scale, count_zeros)
         stats[grad_stats.STAT_MISSING_BACKWARD].copy_(self.missing)
+        stats[grad_stats.STAT_LATE_GRADIENT].copy_(self.late)
         with record_function("megatron_opt.stats_allreduce"):
             grad_stats.reduce_stats(stats, groups)
         missing = stats[grad_stats.STAT_MISSING_BACKWARD] != 0
@@ -85,8 +90,10 @@ class StepDecision:
             over = self.grad_norm[0] > threshold
             verdict = torch.where(~non_finite & over, int(Verdict.NORM_OVER_THRESHOLD), verdict)
         verdict = torch.where(missing, int(Verdict.MISSING_BACKWARD), verdict)
+        late = stats[grad_stats.STAT_LATE_GRADIENT] != 0
+        verdict = torch.where(late, int(Verdict.LATE_GRADIENT), verdict)
         self.verdict.copy_(verdict)
-        self.overflow.copy_(non_finite & ~missing)
+        self.overflow.copy_(non_finite & ~missing & ~late)
         self.skip.copy_((verdict != Verdict.APPLY).reshape(1))
 
     def clip_coefficient(self, clip_grad: float) -> torch.Tensor:
@@ -98,7 +105,8 @@ class StepDecision:
         values = torch.cat([self.stats, self.grad_norm, self.verdict.reshape(1).double()]).tolist()
         return DecisionRead(verdict=Verdict(int(values[-1])), grad_norm=values[-2],
                             num_zeros=int(values[grad_stats.STAT_ZEROS]),
-                            missing_backward=int(values[grad_stats.STAT_MISSING_BACKWARD]))
+                            missing_backward=int(values[grad_stats.STAT_MISSING_BACKWARD]),
+                            late_gradients=int(values[grad_stats.STAT_LATE_GRADIENT]))
 
 
 __all__ = ["StepDecision", "DecisionRead", "Verdict", "clip_coefficient"]

@@ -36,7 +36,7 @@ from torch.profiler import record_function
 
 from ..distributed.shard_view import GradSource, gathers_in_graph
 from .. import collectives
-from ..errors import RankError, StepOrderError
+from ..errors import LateGradientError, RankError, StepOrderError
 from . import phase_timers
 from . import stats as grad_stats
 from .grad_scaler import DynamicGradScaler, MegatronGradScaler
@@ -181,8 +181,12 @@ class StepDriver:
                 src.finish_grad_sync()
 
     def _stage_missing_backward(self) -> None:
-        """This rank's missing-backward flag, a host-side input of the decision."""
+        """This rank's missing-backward and late-gradient flags, host-side inputs of the decision."""
         self._decision.missing.fill_(1.0 if all(src.grads_received == 0 for src in self.sources) else 0.0)
+        self._decision.late.fill_(1.0 if self._late_gradient() is not None else 0.0)
+
+    def _late_gradient(self) -> Optional[str]:
+        return next((src.late_gradient for src in self.sources if getattr(src, "late_gradient", None)), None)
 
     def _decide(self) -> None:
         self._decision.decide(self.leaves, self.get_loss_scale(), bool(self.config.log_num_zeros_in_grad),
@@ -264,6 +268,9 @@ class StepDriver:
             self._stage_missing_backward()
             self._decide()
             read = self._decision.read()  # the step's one host synchronisation
+        if read.late_gradients:  # every rank raises, with the message of the first rank that saw one
+            collectives.agree_each_step("a gradient arrived after its bucket was launched", self._late_gradient(),
+                                        self.stats_groups, error_type=LateGradientError)
         if read.missing_backward:
             raise StepOrderError(
                 f"step() was called on {read.missing_backward} rank(s) with no gradient since "

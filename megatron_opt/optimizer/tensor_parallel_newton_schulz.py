@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import collectives
-from .rules.muon import NS_EPS, QUINTIC, Muon, float32_matmul_precision, newton_schulz
+from .rules.muon import NS_EPS, QUINTIC, Muon, float32_matmul_precision, newton_schulz, newton_schulz_step
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def _distributed(rule: Muon, pieces: list[tuple[torch.Tensor, TensorSplit]]) -> 
             for x, g in zip(xs, grams):
                 gram = summed[at:at + g.numel()].view(g.shape)
                 at += g.numel()
-                nxt.append(a * x + (b * gram + c * (gram @ gram)) @ x)
+                nxt.append(newton_schulz_step(x, gram, a, b, c))
             xs = nxt
     outs = []
     for (p, split), x in zip(pieces, xs):

@@ -246,3 +246,29 @@ def state_dict_nan_on_one_rank() -> dict:
     out = _timed(lambda: opt.load_state_dict(sd))
     out["untouched"] = all(torch.equal(a, b) for a, b in zip(before, opt.local_state_tensors().values()))
     return out
+
+
+def late_gradient_in_one_ranks_hook(overlap: bool) -> dict:
+    """Outside train_step, as Megatron-LM's loop runs it: every rank runs the step's backward; rank 1
+    then runs one more backward without zero_grad_buffer(), so its hooks see gradients whose buckets were
+    launched. Every rank must raise LateGradientError in the step, none may wait in a collective."""
+    rank = dist.get_rank()
+    model = TinyLM()
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=overlap, bucket_size=200 if overlap else None))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(lr=1e-2, use_distributed_optimizer=True), ddp)
+    x, y = global_batch(2, seed=1)[rank]
+    ddp.zero_grad_buffer()
+    token_loss_sum(ddp(x), y)[0].backward()
+
+    def rest():
+        if rank == 1:
+            if not overlap:
+                ddp.start_grad_sync()  # megatron-core's schedules launch the buckets before the last backward
+            token_loss_sum(ddp(x), y)[0].backward()
+        ddp.finish_grad_sync()
+        opt.step()
+
+    out = _timed(rest)
+    out["params_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return out

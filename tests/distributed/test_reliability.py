@@ -223,3 +223,13 @@ def test_control_flags_live_on_the_device_an_nccl_group_needs(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert collectives.flag_device(None) == torch.device("cuda", 3)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_late_gradient_in_one_ranks_backward_hook_raises_on_every_rank(pools, overlap):
+    """A LateGradientError seen in one rank's backward hook, outside train_step: every rank raises it in the
+    step, naming the rank and the param, within the bound (before, the other rank waited for the timeout)."""
+    for res in pools(2).run(cr.late_gradient_in_one_ranks_hook, overlap, timeout=60):
+        assert res["error"] is not None and res["error"].startswith("LateGradientError"), res
+        assert "rank 1" in res["error"] and "arrived after its bucket" in res["error"], res
+        assert res["seconds"] < BOUND_S and res["params_finite"], res

@@ -198,7 +198,7 @@ def test_fused_wgrad_gradients_are_not_added_twice():
 
 def test_force_all_reduce_gives_every_rank_the_whole_gradient(pools):
     for out in pools(2).run(cm.run_force_all_reduce):
-        assert out == {"identical_across_ranks": True, "differs_from_reduce_scatter": True, "same_step": True}
+        assert out == {"identical_across_ranks": True, "whole_gradient": True, "same_step": True}
 
 
 # ----------------------------------------------------------------------------- optimizer members
