@@ -2,23 +2,25 @@
 # One GPU-machine call (issue #31): four stages, each under its own timeout so that one stage's hang cannot
 # eat the next, all results in $OUT (the device tool brings back at most 8 files, 16 MiB each).
 #   usage: bash scripts/gpu_session.sh [--dry-run] [--stages env,tests,megatron,step] [--megatron-iters N]
-#   1 env       (150 s) nvidia-smi, Python/torch/CUDA versions, build csrc for sm_90 (MAX_JOBS=16), whether
+#   1 env       (140 s) nvidia-smi, Python/torch/CUDA versions, build csrc for sm_90 (MAX_JOBS=16), whether
 #                       the extension imports
-#   2 tests     (180 s) every CUDA-marked test (-m cuda; pytest-xdist when there), counts per area
-#   3 megatron  (150 s) Megatron-LM's own pretrain_gpt.py (the tree tools/gpu_carry.sh put in .carry/mlm),
-#                       one GPU, --transformer-impl local --mock-data, megatron-core's optimizer, then the
-#                       one-line install(): tools/megatron_lm_cpu/compare.py --gpu
+#   2 tests     (140 s) every CUDA-marked test (-m cuda; pytest-xdist when there), counts per area
+#   3 megatron  (200 s) Megatron-LM's own pretrain_gpt.py (the tree tools/gpu_carry.sh put in .carry/mlm), one
+#                       GPU, --transformer-impl local --mock-data, 12 layers, hidden 2048, sequence 2048, bf16,
+#                       both overlaps: megatron-core's optimizer and the one-line install(), alternating, for
+#                       Adam and for Muon (megatron-core's LayerWise): tools/megatron_lm_cpu/bench.py --gpu
+#                       (Megatron-LM's own timers side by side, and each pair's loss / grad-norm agreement)
 #   4 step      ( 60 s) bench_optimizer_step.py at 2^22, 2^24, 2^26: eager and optimizer_cuda_graph, fp32 and
 #                       16-bit state, each against its byte floor
 # --dry-run runs all of it but the CUDA work on the CPU: no build, the test selection with --collect-only,
-# the Megatron-LM command lines for the GPU, then the pair through the CPU shim (2 ranks, gloo, the same
-# flags at a small size, 3 iterations), the benchmark at 2^12 and 2^14 on the CPU.
+# the Megatron-LM command lines for the GPU, then the pairs through the CPU shim (2 ranks, gloo, the same
+# flags at 100M parameters, 4 iterations), the benchmark at 2^12 and 2^14 on the CPU.
 # Before the GPU run: bash tools/gpu_carry.sh; docs/benchmarks.md has the device call.
 # $OUT: session.log (everything printed), stages.json (rc and seconds per stage), cuda_tests.json,
-# megatron.json + megatron.md (curves, speed), step.json + step.png, logs.tgz (build, pytest, Megatron-LM logs).
+# megatron.json + megatron.md (timers, agreement), step.json + step.png, logs.tgz (build, pytest, Megatron-LM logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-DRY=0 STAGES=env,tests,megatron,step MEGATRON_ITERS=100
+DRY=0 STAGES=env,tests,megatron,step MEGATRON_ITERS=20
 while (($#)); do
   case "$1" in
     --dry-run) DRY=1 ;;
@@ -72,23 +74,16 @@ stage_tests() {
   return $rc
 }
 
-# a GPT one H100 trains fast (~150 M params + embeddings, 32 Ki tokens per iteration); the dry run trains
-# the same flags at compare.py's small CPU size
-TRAIN_ARGS="--lr 3e-4 --clip-grad 1.0 --weight-decay 0.1 --seed 1234 --log-interval 1 --eval-iters 0 \
---eval-interval 100000 --mock-data --tokenizer-type NullTokenizer"
-GPU_MODEL="--num-layers 12 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
---max-position-embeddings 1024 --micro-batch-size 8 --global-batch-size 32 --vocab-size 32000 --lr-warmup-iters 10 $TRAIN_ARGS"
-DRY_MODEL="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 \
---micro-batch-size 2 --global-batch-size 8 --vocab-size 128 --lr-warmup-iters 1 $TRAIN_ARGS"
-export GPU_MODEL DRY_MODEL
 stage_megatron() {
-  # --logging-level 20: Megatron-LM prints its timers (the optimizer timer) through logger.info
-  local args=(tools/megatron_lm_cpu/compare.py --versions main --main "$MLM" "$PYTHON" --layouts DP2 --no-resume
-              --extra "--timing-log-level 2 --log-throughput --logging-level 20" --logs "$WORK/megatron" --summary "$OUT/megatron.json")
-  local gpu=(--gpu --nproc 1 --iters "$MEGATRON_ITERS" --model "$GPU_MODEL" --launch-timeout 72)
-  if ((DRY)); then  # the GPU command lines, then the pair through the CPU shim: 2 ranks (gloo), the small model
-    "$PYTHON" "${args[@]}" "${gpu[@]}" --print-only || return 1
-    args+=(--iters 3 --model "$DRY_MODEL" --launch-timeout 150)
+  # tools/megatron_lm_cpu/bench.py: the same comparison as on the CPU (Megatron-LM's own timers side by
+  # side, alternating runs, plus each pair's loss / grad-norm agreement); one GPU, so DP1: Adam bf16 with
+  # both overlaps, and Muon against megatron-core's LayerWise optimizer
+  local args=(tools/megatron_lm_cpu/bench.py --main "$MLM" "$PYTHON" --configs adam-bf16-overlap muon-bf16-overlap
+              --logs "$WORK/megatron" --out "$OUT/megatron.json")
+  local gpu=(--gpu --nproc 1 --sizes gpu --pairs 1 --iters "$MEGATRON_ITERS" --launch-timeout 60)
+  if ((DRY)); then  # the GPU command lines, then the pairs through the CPU shim: 2 ranks (gloo), the 100M model
+    "$PYTHON" "${args[@]}" "${gpu[@]}" --dry-run || return 1
+    args+=(--sizes 100M --pairs 1 --iters 4 --launch-timeout 150)
   else
     args+=("${gpu[@]}")
   fi
@@ -110,8 +105,8 @@ stage_step() {
 }
 export -f stage_env stage_tests stage_megatron stage_step
 
-declare -A BUDGET=([env]=150 [tests]=180 [megatron]=150 [step]=60)
-((DRY)) && BUDGET[megatron]=240  # two CPU launches of Megatron-LM, ~50 s each on two shared cores
+declare -A BUDGET=([env]=140 [tests]=140 [megatron]=200 [step]=60)
+((DRY)) && BUDGET[megatron]=400  # four CPU launches of Megatron-LM at 100M, ~60 s each on two shared cores
 RESULTS=()
 for s in env tests megatron step; do
   [[ ",$STAGES," == *",$s,"* ]] || continue

@@ -13,9 +13,12 @@ a markdown table beside it (``--out`` with .md; a plot with .png when matplotlib
 
 Configurations (all with Megatron-LM's stock arguments, ``--use-distributed-optimizer``, no fused kernels
 on the CPU): DP2 fp32 / bf16, each with and without ``--overlap-grad-reduce --overlap-param-gather``;
-TP2 and PP2 bf16; Muon bf16 with both overlaps (megatron-core: its LayerWiseDistributedOptimizer).
+TP2 and PP2 bf16; Muon bf16 with both overlaps (megatron-core: its LayerWiseDistributedOptimizer). Data
+parallelism takes the ranks tensor and pipeline parallelism leave (DP2 with 2 ranks; DP1 on one GPU).
 Sizes: 100M (8 layers, hidden 1024, ffn 4096, 16 heads) and 300M (24 layers, same widths), sequence 32,
-micro-batch 1, global batch 2 on the CPU; with --gpu, 12+ layers, hidden 2048, sequence 2048.
+micro-batch 1, global batch 2 on the CPU; ``gpu``: 12 layers, hidden 2048, sequence 2048 (with --gpu).
+Each configuration also reports the two sides' agreement (max |Δ loss| and |Δ grad norm| over the
+iterations of their first runs, as compare.py measures it).
 """
 from __future__ import annotations
 
@@ -37,21 +40,22 @@ TIMERS = ("iteration", "forward-backward", "forward-compute", "backward-compute"
 TIMER_LINE = re.compile(r"^\s+([a-z0-9-]+) \.+: \(([\d.]+), ([\d.]+)\)\s*$")
 STOCK = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# The layout is what the ranks leave for data parallelism: DP = ranks / (TP x PP).
 CONFIGS = {
-    "DP2-fp32": STOCK,
-    "DP2-fp32-overlap": STOCK + OVERLAP,
-    "DP2-bf16": STOCK + ["--bf16"],
-    "DP2-bf16-overlap": STOCK + OVERLAP + ["--bf16"],
-    "TP2-bf16": STOCK + ["--bf16", "--tensor-model-parallel-size", "2"],
-    "PP2-bf16": STOCK + ["--bf16", "--pipeline-model-parallel-size", "2"],
-    "DP2-muon-bf16": STOCK + OVERLAP + ["--bf16", "--optimizer", "muon"],
+    "adam-fp32": STOCK,
+    "adam-fp32-overlap": STOCK + OVERLAP,
+    "adam-bf16": STOCK + ["--bf16"],
+    "adam-bf16-overlap": STOCK + OVERLAP + ["--bf16"],
+    "adam-bf16-TP2": STOCK + ["--bf16", "--tensor-model-parallel-size", "2"],
+    "adam-bf16-PP2": STOCK + ["--bf16", "--pipeline-model-parallel-size", "2"],
+    "muon-bf16-overlap": STOCK + OVERLAP + ["--bf16", "--optimizer", "muon"],
 }
 WIDTHS = "--hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16".split()
-SIZES = {"100M": ["--num-layers", "8"] + WIDTHS, "300M": ["--num-layers", "24"] + WIDTHS}
+SIZES = {"100M": ["--num-layers", "8"] + WIDTHS, "300M": ["--num-layers", "24"] + WIDTHS,
+         # one GPU: 12 layers, hidden 2048 (~670M parameters with the embedding), sequence 2048
+         "gpu": "--num-layers 12 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16".split()}
 CPU_SHAPE = ("--seq-length 32 --max-position-embeddings 32 --micro-batch-size 1 --global-batch-size 2 "
              "--vocab-size 128").split()
-GPU_SIZES = {"100M": "--num-layers 12 --hidden-size 1024 --ffn-hidden-size 4096 --num-attention-heads 16".split(),
-             "300M": "--num-layers 12 --hidden-size 2048 --ffn-hidden-size 8192 --num-attention-heads 16".split()}
 GPU_SHAPE = ("--seq-length 2048 --max-position-embeddings 2048 --micro-batch-size 1 --global-batch-size 8 "
              "--vocab-size 32000").split()
 COMMON = ("--lr 1e-4 --log-interval 1 --eval-iters 0 --eval-interval 100000 --mock-data --tokenizer-type "
@@ -96,6 +100,10 @@ def table(results: list[dict]) -> str:
                 ratio = f"{a / b:.2f}" if a is not None and b else "-"
                 cell = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
                 rows.append(f"| {r['config']} | {r['size']} | {name} | {cell(a)} | {cell(b)} | {ratio} |")
+        d = r.get("agreement") or {}
+        if d.get("n"):
+            rows.append(f"| {r['config']} | {r['size']} | max abs d loss / d grad norm ({d['n']} its) | "
+                        f"{d['dloss']:.2e} | {d['dnorm']:.2e} | - |")
     return "\n".join(rows) + "\n"
 
 
@@ -145,10 +153,11 @@ def main() -> int:
     device = compare.NO_FUSED_KERNELS if opts.gpu else compare.CPU_ONLY
     results, failed = [], 0
     for size in opts.sizes:
-        shape = (GPU_SIZES[size] + GPU_SHAPE) if opts.gpu else (SIZES[size] + CPU_SHAPE)
+        shape = SIZES[size] + (GPU_SHAPE if opts.gpu else CPU_SHAPE)
         for config in opts.configs:
             args = device + shape + COMMON + ["--train-iters", str(opts.iters)] + CONFIGS[config]
             per_side: dict[str, list] = {"megatron-core": [], "megatron_opt": []}
+            first: dict[str, dict] = {}  # each side's first run's per-iteration records: the agreement
             for k in range(opts.pairs):
                 for side in ("megatron-core", "megatron_opt"):  # alternate, so drift hits both alike
                     mo = side == "megatron_opt"
@@ -156,8 +165,8 @@ def main() -> int:
                         print(" ".join(compare.command(python, mlm_dir, mo, args, opts.nproc, opts.gpu)))
                         continue
                     log = os.path.join(logs, f"{config}_{size}_{'mo' if mo else 'core'}_{k}.log")
-                    rc, seconds, _ = compare.launch(python, mlm_dir, mo, args, log, timeout=opts.launch_timeout,
-                                                    nproc=opts.nproc, gpu=opts.gpu)
+                    rc, seconds, records = compare.launch(python, mlm_dir, mo, args, log,
+                                                          timeout=opts.launch_timeout, nproc=opts.nproc, gpu=opts.gpu)
                     timers = parse_timers(log)
                     print(f"{config} {size} {side} run {k}: rc {rc}, {seconds:.0f} s, {len(timers)} iterations",
                           flush=True)
@@ -166,9 +175,12 @@ def main() -> int:
                         print("   " + compare.failure(log))
                         continue
                     per_side[side].append(run_medians(timers))
+                    first.setdefault(side, records)
             if opts.dry_run:
                 continue
-            result = {"config": config, "size": size, "runs": per_side,
+            agreement = (compare.diff(first["megatron-core"], first["megatron_opt"], range(1, opts.iters + 1))
+                         if len(first) == 2 else {})
+            result = {"config": config, "size": size, "runs": per_side, "agreement": agreement,
                       **{side: side_medians(runs) for side, runs in per_side.items()}}
             results.append(result)
             print(table([result]), flush=True)
