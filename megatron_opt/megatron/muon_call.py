@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ..errors import UnsupportedConfigError
-from ..optimizer import factory
+from ..optimizer.build import factory
 
 QKV_WEIGHT = "linear_qkv.weight"  # megatron-core's name test for the fused QKV projection
 QKV_SPLIT_ATTR = "qkv_split_shapes"

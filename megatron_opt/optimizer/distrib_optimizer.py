@@ -17,13 +17,13 @@ from ..config_conversion import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
 from .leaf import OptimizerLeaf
-from .shard_store import ShardStore
-from .state_dict import STATE_DICT_FORMAT
-from .state_view import LeafView, leaf_view
-from .step_driver import StepDriver
+from .state.shard_store import ShardStore
+from .state.in_memory import STATE_DICT_FORMAT
+from .state.view import LeafView, leaf_view
+from .step.driver import StepDriver
 from .rules.base import Needs, UpdateRule
 from .rules.registry import resolve_update_rule
-from .whole_tensor_leaf import WholeTensorLeaf
+from .whole_tensor.leaf import WholeTensorLeaf
 
 
 class DistributedOptimizer(MegatronOptimizer):

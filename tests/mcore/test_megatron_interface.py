@@ -231,7 +231,7 @@ def test_megatron_lm_timers_time_the_optimizer_phases():
     step's two passes (and the param all-gather) accumulate time under megatron-core's names; at level 0
     they are megatron-core's dummy timers."""
     from megatron.core.timers import Timers
-    from megatron_opt.optimizer import phase_timers as pt
+    from megatron_opt.optimizer.step import phase_timers as pt
 
     for level in (1, 0):
         timers = Timers(level, "minmax")

@@ -12,7 +12,7 @@ import torch
 import megatron_opt as mo
 import megatron_opt.ops as ops
 from megatron_opt.megatron import arguments as megatron_args
-from megatron_opt.optimizer.grad_multiplier import GradMultiplier
+from megatron_opt.optimizer.step.grad_multiplier import GradMultiplier
 from megatron_opt.optimizer.rules import UPDATE_RULES, Needs, resolve_update_rule, update_rule_from_config
 
 

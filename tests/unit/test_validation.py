@@ -13,7 +13,7 @@ import torch
 
 from megatron_opt.config import DistributedDataParallelConfig, OptimizerConfig, config_fields
 from megatron_opt.errors import InvalidConfigError, UnsupportedConfigError
-from megatron_opt.optimizer.hyperparams import check_param_groups
+from megatron_opt.optimizer.step.param_group_checks import check_param_groups
 
 LR = 1e-3
 NAN = math.nan

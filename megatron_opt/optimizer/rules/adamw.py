@@ -25,7 +25,7 @@ from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.operand_checks import check_scalar
 from ...ops.precision import KERNEL_MOMENT_PAIRS, dtype_names
 from ...ops.step_plan import StepPlan
-from ..float64_update import FP32_SUBNORMAL, TERM_ROUNDING, UNDERFLOW, Float64Inputs, Float64Update
+from ..verify.float64_update import FP32_SUBNORMAL, TERM_ROUNDING, UNDERFLOW, Float64Inputs, Float64Update
 from .base import UpdateRule
 
 _K, _C = TERM_ROUNDING, UNDERFLOW

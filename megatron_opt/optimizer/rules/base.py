@@ -16,7 +16,7 @@ import torch
 
 from ... import ops
 from ...ops.step_plan import StepPlan
-from ..float64_update import Float64Inputs, Float64Update
+from ..verify.float64_update import Float64Inputs, Float64Update
 
 
 class Needs(enum.Enum):
@@ -70,7 +70,7 @@ class UpdateRule(abc.ABC):
 
     def float64_update(self, inputs: Float64Inputs) -> Optional[Float64Update]:
         """This rule's update of ``inputs`` recomputed in float64, with a per-element bound on the
-        error of fp32 arithmetic (optimizer/float64_update.py): what verify mode's ``update`` check
+        error of fp32 arithmetic (optimizer/verify/float64_update.py): what verify mode's ``update`` check
         compares pass 2 with. None: the rule has none, and verify mode refuses to run with it."""
         return None
 

@@ -1,6 +1,6 @@
 """Muon: megatron-core's ``optimizer='muon'`` (emerging-optimizers' orthogonalized optimizer as
 megatron-core configures it; docs/muon.md). A whole-tensor rule: its update of a matrix reads the
-whole matrix, so the step runs it in three parts (optimizer/whole_tensor_leaf.py):
+whole matrix, so the step runs it in three parts (optimizer/whole_tensor/leaf.py):
 
 1. elementwise, on the owned ranges:   g = grad * grad_scale
                                        B = beta*B + (1-beta)*g              (``momentum_buffer``, fp32)
@@ -17,7 +17,7 @@ scale: spectral sqrt(max(m, n)); unit_rms_norm sqrt(m/n); shape_scaling sqrt(max
 
 Under tensor parallelism (``tp_mode``): ``blockwise`` runs part 2 on the TP-local block (pieces and
 scale from the local shape); ``duplicated`` and ``distributed`` orthogonalise the full matrix of each
-piece across the TP ranks (scale from the full shape): optimizer/tensor_parallel_newton_schulz.py.
+piece across the TP ranks (scale from the full shape): optimizer/whole_tensor/tensor_parallel_newton_schulz.py.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 from ... import ops
 from ...errors import InvalidConfigError, UnsupportedConfigError
 from ...ops.step_plan import StepPlan
-from ..float64_update import rounding_bound
+from ..verify.float64_update import rounding_bound
 from .base import Needs, UpdateRule
 
 # The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
@@ -141,7 +141,7 @@ class Muon(UpdateRule):
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
         raise UnsupportedConfigError("Muon needs whole matrices: it runs through the whole-tensor leaf "
-                                     "(optimizer/whole_tensor_leaf.py), not as an elementwise pass 2.")
+                                     "(optimizer/whole_tensor/leaf.py), not as an elementwise pass 2.")
 
     # ----------------------------------------------------------------- part 1 and 3: elementwise on owned ranges
     def momentum_direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
-from ..float64_update import Float64Inputs, Float64Update, rounding_bound
+from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
 from .base import UpdateRule
 
 

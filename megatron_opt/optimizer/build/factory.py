@@ -6,16 +6,16 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .. import collectives
-from ..config import OptimizerConfig
-from ..errors import InvalidConfigError, UnsupportedConfigError
-from ..config_conversion import as_optimizer_config, is_ours
-from ..distributed.shard_view import GradSource
-from .chained import ChainedOptimizer
-from .distrib_optimizer import DistributedOptimizer
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from ... import collectives
+from ...config import OptimizerConfig
+from ...errors import InvalidConfigError, UnsupportedConfigError
+from ...config_conversion import as_optimizer_config, is_ours
+from ...distributed.shard_view import GradSource
+from ..chained import ChainedOptimizer
+from ..distrib_optimizer import DistributedOptimizer
+from ..grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
-from .rules.muon import uses_muon
+from ..rules.muon import uses_muon
 
 MUON_NAMES = ("muon", "dist_muon")
 
@@ -42,7 +42,7 @@ def get_param_groups(
     lr_mult: float = 1.0,
     config_overrides: Optional[Mapping[Any, Mapping]] = None,
 ) -> list[dict]:
-    """Param groups with megatron-core's semantics (see optimizer/param_groups.py), the same on every rank.
+    """Param groups with megatron-core's semantics (see optimizer/build/param_groups.py), the same on every rank.
 
     ``config_overrides`` ({megatron-core ParamKey: ParamGroupOverride}) works as in megatron-core;
     without it, megatron-core's standard overrides apply (no weight decay on biases and 1-D params,

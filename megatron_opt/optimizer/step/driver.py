@@ -34,15 +34,15 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch.profiler import record_function
 
-from ..distributed.shard_view import GradSource, gathers_in_graph
-from .. import collectives
-from ..errors import RankError, StepOrderError
+from ...distributed.shard_view import GradSource, gathers_in_graph
+from ... import collectives
+from ...errors import RankError, StepOrderError
 from . import phase_timers
-from . import stats as grad_stats
-from .grad_scaler import DynamicGradScaler, MegatronGradScaler
-from .hyperparams import check_param_groups
-from .step_decision import DecisionRead, StepDecision, Verdict
-from .verify import StepVerifier, VerifyReport
+from . import global_stats as grad_stats
+from ..grad_scaler import DynamicGradScaler, MegatronGradScaler
+from .param_group_checks import check_param_groups
+from .decision import DecisionRead, StepDecision, Verdict
+from ..verify.step_verifier import StepVerifier, VerifyReport
 
 logger = logging.getLogger("megatron_opt")
 

@@ -1,5 +1,5 @@
 """Megatron-LM's torch_dist optimizer checkpoint: ``sharded_state_dict`` and ``load_state_dict`` in
-megatron-core's two distributed-optimizer formats (sharded_layouts.py says where the tensors go).
+megatron-core's two distributed-optimizer formats (state/torch_dist_layouts.py says where the tensors go).
 
 Megatron-LM's ``generate_state_dict`` calls ``optimizer.sharded_state_dict(state_dict, is_loading,
 metadata=...)`` with ``metadata['distrib_optim_sharding_type']`` = ``'fully_reshardable'`` (with
@@ -12,7 +12,7 @@ The dict of one DistributedOptimizer is megatron-core's::
                               per-leaf update counts, loss scaler, skipped steps, rules); megatron-core
                               reads only 'param_groups'
     grad_scaler               the loss scaler's state_dict (when there is a loss scaler)
-    param_state               the tensors (sharded_layouts.py)
+    param_state               the tensors (state/torch_dist_layouts.py)
     param_state_sharding_type the format
 
 With dp_reshardable the first two are ShardedObjects per data-parallel group, as megatron-core writes
@@ -29,10 +29,10 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives
-from ..errors import UnsupportedConfigError
-from . import sharded_layouts as layouts
-from .state_view import first_nonfinite
+from ... import collectives
+from ...errors import UnsupportedConfigError
+from . import torch_dist_layouts as layouts
+from .view import first_nonfinite
 
 _LOG = logging.getLogger("megatron_opt")
 
