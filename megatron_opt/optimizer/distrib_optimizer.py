@@ -30,7 +30,10 @@ class DistributedOptimizer(MegatronOptimizer):
     """ZeRO-1 optimizer over the grad buffers of one or more DistributedDataParallel chunks.
 
     Args:
-        config: OptimizerConfig (optimizer 'adam' = AdamW, 'sgd' or 'lion').
+        config: OptimizerConfig (or megatron-core's); its ``optimizer`` names the update rule, any name of
+            rules/registry.py's UPDATE_RULES ('adam' = AdamW, 'lion', 'sgd', 'muon' / 'dist_muon'), checked
+            against the rule here; Muon needs whole tensors and runs only with ``selects`` (as
+            get_megatron_optimizer builds it, with its AdamW companion).
         model_chunks: DistributedDataParallel modules (any shard_view.GradSource) whose buffers this
             optimizer owns.
         param_groups: torch-style groups of *model* params with optional 'wd_mult', 'lr_mult',

@@ -15,9 +15,8 @@ from ..chained import ChainedOptimizer
 from ..distrib_optimizer import DistributedOptimizer
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
-from ..rules.muon import uses_muon
-
-MUON_NAMES = ("muon", "dist_muon")
+from ..rules.muon import Muon, uses_muon
+from ..rules.registry import update_rule_from_config
 
 
 
@@ -115,6 +114,7 @@ def get_megatron_optimizer(
     """
     megatron_core_call = not is_ours(config)
     config = as_optimizer_config(config)
+    update_rule_from_config(config)  # the config checked against its rule before anything is built
     single = isinstance(model_chunks, (GradSource, torch.nn.Module))
     chunks = [model_chunks] if single else list(model_chunks)
     for chunk in chunks:
@@ -152,7 +152,7 @@ def get_megatron_optimizer(
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    if config.optimizer in MUON_NAMES:
+    if config.optimizer in Muon.names():
         _check_muon_layout(config, chunks, tensor_parallel_group)
         return _muon_optimizer(config, splits, dense_per_split, chunks, expert_groups, scaler, common,
                                grad_stats_group)

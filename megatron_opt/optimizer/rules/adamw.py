@@ -26,7 +26,7 @@ from ...ops.operand_checks import check_scalar
 from ...ops.precision import KERNEL_MOMENT_PAIRS, dtype_names
 from ...ops.step_plan import StepPlan
 from ..verify.float64_update import FP32_SUBNORMAL, TERM_ROUNDING, UNDERFLOW, Float64Inputs, Float64Update
-from .base import UpdateRule
+from .base import UpdateRule, constant
 
 _K, _C = TERM_ROUNDING, UNDERFLOW
 
@@ -158,32 +158,37 @@ class AdamW(UpdateRule):
     nearest even or, with ``stochastic_rounding``, stochastically (bf16 moments only).
     """
 
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = constant(0.9, "adam_beta1", low=0, high=1)
+    beta2: float = constant(0.999, "adam_beta2", low=0, high=1,
+                            hint="adam_beta2=1 divides by zero in the bias correction")
+    eps: float = constant(1e-8, "adam_eps", low=0)
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     name: ClassVar[str] = "adam"
+    precision_aware: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for field_name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, field_name) not in ops.STATE_DTYPES:
                 raise ValueError(f"AdamW.{field_name}={getattr(self, field_name)}: use one of {ops.STATE_DTYPES}.")
 
     @classmethod
     def from_config(cls, config: Any) -> "AdamW":
-        return cls(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps,
-                   exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
+        cls.check_config(config)
+        return cls(**cls.constants_from(config), exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
                    exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
                    stochastic_rounding=getattr(config, "stochastic_rounding", False))
 
+    def torch_group_fields(self) -> dict[str, Any]:
+        """torch.optim.AdamW's param-group fields (megatron-core's inner optimizer)."""
+        return {"betas": (self.beta1, self.beta2), "eps": self.eps, "bias_correction": True, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True}
+
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype}
-
-    def hyperparameters(self) -> dict[str, Any]:
-        out = super().hyperparameters()
-        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in out.items()}
 
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:

@@ -8,7 +8,7 @@ recomputation (``recompute``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -16,7 +16,7 @@ from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
 from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
-from .base import UpdateRule
+from .base import UpdateRule, constant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,13 +70,10 @@ def recompute(inp: Float64Inputs, beta1: float, beta2: float) -> Float64Update:
 class Lion(UpdateRule):
     """Lion (Chen et al., 2023): the sign of an interpolated momentum, decoupled weight decay."""
 
-    beta1: float = 0.95
-    beta2: float = 0.98
+    # megatron-core 0.19's names and defaults (Megatron-LM's --lion-beta1 / --lion-beta2)
+    beta1: float = constant(0.95, "lion_beta1", low=0, high=1, high_open=False)  # the interpolation for the sign
+    beta2: float = constant(0.98, "lion_beta2", low=0, high=1, high_open=False)  # the momentum decay
     name: ClassVar[str] = "lion"
-
-    @classmethod
-    def from_config(cls, config: Any) -> "Lion":
-        return cls(beta1=config.lion_beta1, beta2=config.lion_beta2)
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}

@@ -12,7 +12,7 @@ from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
 from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
-from .base import UpdateRule
+from .base import UpdateRule, constant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,13 +88,14 @@ def recompute(inp: Float64Inputs, momentum: float, nesterov: bool) -> Float64Upd
 class SGD(UpdateRule):
     """torch.optim.SGD's formula (L2 weight decay, dampening 0); no state without momentum."""
 
-    momentum: float = 0.9
+    momentum: float = constant(0.9, "sgd_momentum", low=0, high=1)
     nesterov: bool = False
     name: ClassVar[str] = "sgd"
 
-    @classmethod
-    def from_config(cls, config: Any) -> "SGD":
-        return cls(momentum=config.sgd_momentum)
+    def torch_group_fields(self) -> dict[str, Any]:
+        """torch.optim.SGD's param-group fields (megatron-core's inner optimizer)."""
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "dampening": 0.0, "maximize": False,
+                "foreach": None, "differentiable": False, "fused": None}
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}

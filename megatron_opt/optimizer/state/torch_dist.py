@@ -60,24 +60,11 @@ def sharding_type(metadata: Optional[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- scalar state
-def _torch_group_fields(rule: Any) -> dict[str, Any]:
-    """The hyperparameters megatron-core's inner optimizer (torch's AdamW / SGD, or a fused Adam) keeps
-    in each param group: a load replaces its groups with the saved ones, so they must be complete."""
-    if rule.name == "adam":
-        return {"betas": (rule.beta1, rule.beta2), "eps": rule.eps, "bias_correction": True, "amsgrad": False,
-                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                "decoupled_weight_decay": True}
-    if rule.name == "sgd":
-        return {"momentum": rule.momentum, "nesterov": rule.nesterov, "dampening": 0.0, "maximize": False,
-                "foreach": None, "differentiable": False, "fused": None}
-    return dict(rule.hyperparameters())
-
-
 def common_state(child: Any) -> dict[str, Any]:
     """What megatron-core's DistributedOptimizer.state_dict() returns, plus megatron_opt's scalar state."""
     leaf = child.state_leaves()[0]
     step = int(leaf.step.item())
-    extra = _torch_group_fields(leaf.rule)
+    extra = leaf.rule.torch_group_fields()  # the inner optimizer's param-group fields, as the rule declares them
     groups = [{**extra, **{k: v for k, v in g.items() if k != "params"}, "step": step} for g in child.param_groups]
     out: dict[str, Any] = {"optimizer": {"param_groups": groups, "megatron_opt": child.scalar_state()}}
     if child.grad_scaler is not None:
