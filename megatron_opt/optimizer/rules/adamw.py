@@ -166,6 +166,7 @@ class AdamW(UpdateRule):
     exp_avg_sq_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     name: ClassVar[str] = "adam"
+    op_record: ClassVar[type] = AdamWStep
     precision_aware: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

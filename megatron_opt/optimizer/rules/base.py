@@ -52,8 +52,9 @@ class Constant:
     ``config_field``: the OptimizerConfig field it is read from (None: set only by constructing the rule).
     ``low`` / ``high`` (``*_open`` excludes an end; NaN is never in range), ``integer`` and ``choices``: its
     valid values. ``flag_default``: the main job's flag default where Megatron-LM's differs from the config's
-    (``--muon-momentum`` 0.9, the config 0.95). ``kernel``: passed to the rule's compiled kernel (in field
-    order). ``hint``: added to an out-of-range message; ``help``: the flag's help."""
+    (``--muon-momentum`` 0.9, the config 0.95); ``flag``: its name where it is not ``--`` and the config field
+    with dashes (a switch to False: ``--muon-no-split-qkv``). ``hint``: added to an out-of-range message;
+    ``help``: the flag's help."""
 
     config_field: Optional[str] = None
     low: float = -math.inf
@@ -63,6 +64,7 @@ class Constant:
     integer: bool = False
     choices: tuple = ()
     flag_default: Any = SAME_AS_CONFIG
+    flag: Optional[str] = None
     hint: str = ""
     help: str = ""
 

@@ -74,6 +74,7 @@ class Lion(UpdateRule):
     beta1: float = constant(0.95, "lion_beta1", low=0, high=1, high_open=False)  # the interpolation for the sign
     beta2: float = constant(0.98, "lion_beta2", low=0, high=1, high_open=False)  # the momentum decay
     name: ClassVar[str] = "lion"
+    op_record: ClassVar[type] = LionStep
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}

@@ -102,10 +102,11 @@ class Muon(UpdateRule):
     num_ns_steps: int = constant(5, "muon_num_ns_steps", low=1, integer=True)
     scale_mode: str = constant("spectral", "muon_scale_mode", choices=SCALE_MODES)
     extra_scale_factor: float = constant(1.0, "muon_extra_scale_factor")
-    split_qkv: bool = constant(True, "muon_split_qkv",
-                               help="orthogonalize Q, K and V each (--muon-no-split-qkv: the fused QKV weight as one "
-                                    "matrix)")
-    fp32_matmul_prec: str = constant("medium", "muon_fp32_matmul_prec", choices=MATMUL_PRECISIONS)
+    split_qkv: bool = constant(True, "muon_split_qkv", flag="--muon-no-split-qkv",
+                               help="orthogonalize the fused QKV weight as one matrix (default: Q, K and V each)")
+    fp32_matmul_prec: str = constant("medium", "muon_fp32_matmul_prec", choices=MATMUL_PRECISIONS,
+                                     help="Newton-Schulz matmul precision: medium = bf16, high = TF32 on CUDA (fp32 on "
+                                          "the CPU), highest = fp32")
     tp_mode: str = constant("blockwise", "muon_tp_mode", choices=TP_MODES, flag_default="duplicated",
                             help="Newton-Schulz of tensor-parallel weights (no effect at tensor-parallel size 1)")
     # momentum_buffer's storage: fp32, or bf16 with the precision-aware optimizer (OptimizerConfig.exp_avg_dtype)

@@ -91,6 +91,7 @@ class SGD(UpdateRule):
     momentum: float = constant(0.9, "sgd_momentum", low=0, high=1)
     nesterov: bool = False
     name: ClassVar[str] = "sgd"
+    op_record: ClassVar[type] = SGDStep
 
     def torch_group_fields(self) -> dict[str, Any]:
         """torch.optim.SGD's param-group fields (megatron-core's inner optimizer)."""
