@@ -2,7 +2,8 @@
 
 Shards that share an unscale factor, dtypes and stats role form one ``LaunchPlan`` with one
 ``StepPlan`` (built once), so each pass is one call per plan, not one per bucket; the per-group lr
-and weight decay live in a device table (``DeviceHyperparams``) updated in place.
+and weight decay live in a device table (``DeviceHyperparams``) updated in place, handed to the rule with
+its host values (``ops.LrWdTable``).
 
 The driver calls the leaf protocol (``accumulate_local_stats``, ``stage_hyperparams``,
 ``apply_update``, ``start_param_sync``, ``clear_model_grads``); the leaf never decides anything on
@@ -104,8 +105,9 @@ class OptimizerLeaf:
                 ops.grad_stats(lp.step_plan, lp.multiplier.inv_scale, stats[: ops.NUM_STATS], count_zeros,
                                backend=self.backend)
 
-    def stage_hyperparams(self) -> torch.Tensor:
-        """Copy the param_groups' lr and weight decay into the device table (only when one changed)."""
+    def stage_hyperparams(self) -> ops.LrWdTable:
+        """Copy the param_groups' lr and weight decay into the device table (only when one changed): the
+        table with its host values."""
         return self._hyperparams.update([g["lr"] for g in self.param_groups],
                                         [g["weight_decay"] for g in self.param_groups])
 

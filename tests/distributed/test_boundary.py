@@ -131,11 +131,11 @@ class _HalfStepSGD(mo.UpdateRule):
         return {"calls": torch.float64}
 
     def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None):
-        half = ops.lr_wd_table((lr_wd[:, 0] / 2).tolist(), lr_wd[:, 1].tolist(), lr_wd.device)
+        half = ops.lr_wd_table([lr / 2 for lr in lr_wd.host.lr], lr_wd.host.weight_decay, lr_wd.table.device)
         for s in plan.shards:  # shard state: state_dtypes()'s tensors in order
             s.state[0].add_(1)
             ops.update(ops.StepPlan((ops.ShardOperands(s.table, s.grad, s.master, (), s.param_out),)),
-                       SGDStep(grad_scale=grad_scale, momentum=0.0), lr_wd=half, backend=backend)
+                       SGDStep(rule=mo.SGD(momentum=0.0), grad_scale=grad_scale), lr_wd=half, backend=backend)
 
 
 def test_a_custom_update_rule_is_one_class():

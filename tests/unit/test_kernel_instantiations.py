@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
-from megatron_opt.ops import UpdateArgs
 from megatron_opt.optimizer.rules.registry import RULES
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
@@ -65,7 +64,8 @@ def kernel_op_set() -> set[str]:
 
 
 def has_kernel(record: type) -> bool:
-    return record.cuda is not UpdateArgs.cuda
+    """An op record declares the rule constants its kernel reads (``kernel_constants``; None: no kernel)."""
+    return record.kernel_constants is not None
 
 
 def _registered_in(path: Path) -> list:

@@ -61,19 +61,22 @@ def test_a_rule_that_needs_whole_tensors_is_refused():
 
 
 def test_the_torch_backends_read_lr_and_wd_on_the_host(monkeypatch):
-    """The values DeviceHyperparams staged come back without a read of the device table."""
+    """The values DeviceHyperparams staged come back without a read of the device table: they travel in a
+    named object beside it (ops.LrWdTable), never as an attribute of the tensor (issue 38, item 4)."""
     hyper = ops.DeviceHyperparams(2, torch.device("cpu"))
-    table = hyper.update([1e-3, 0.1], [0.01, 0.0])
+    staged = hyper.update([1e-3, 0.1], [0.01, 0.0])
+    assert isinstance(staged, ops.LrWdTable)
 
     def no_read(cls, lr_wd):
         raise AssertionError("read the table back")
 
     monkeypatch.setattr(ops.LrWd, "from_table", classmethod(no_read))
-    host = ops.host_lr_wd(table)
+    host = ops.host_lr_wd(staged)
     assert list(host.lr) == [1e-3, 0.1] and list(host.weight_decay) == [0.01, 0.0]
-    assert table.tolist() == [[1e-3, 0.01], [0.1, 0.0]]
-    hyper.update([2e-3, 0.1], [0.01, 0.0])  # a changed value: the host copy follows
-    assert list(ops.host_lr_wd(table).lr) == [2e-3, 0.1]
+    assert staged.table.tolist() == [[1e-3, 0.01], [0.1, 0.0]]
+    assert not [k for k in vars(staged.table) if "megatron_opt" in k]  # nothing hidden on the tensor
+    changed = hyper.update([2e-3, 0.1], [0.01, 0.0])  # a changed value: the host copy follows
+    assert list(ops.host_lr_wd(changed).lr) == [2e-3, 0.1] and changed.table is staged.table
 
 
 def test_the_multiplier_is_staged_once_and_folds_the_clip():

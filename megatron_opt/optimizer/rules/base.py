@@ -178,14 +178,17 @@ class UpdateRule(abc.ABC):
         return {n: torch.zeros(master.shape, dtype=d, device=master.device) for n, d in self.state_dtypes().items()}
 
     @abc.abstractmethod
-    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+    def apply(self, plan: StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
         """Pass 2 over every shard of ``plan`` (whose shard state is ``state_dtypes()``'s tensors, in
-        that order). ``lr_wd``: [param groups, 2] (lr, weight decay) on the plan's device; the grads are multiplied by ``grad_scale``, the one
-        fp32 device multiplier that already holds the unscale factor, 1/loss scale and the clip
-        coefficient; ``step`` is the 1-based index of this update; a nonzero device flag ``found_inf``
-        means: write nothing (a step decided on the device). An elementwise rule builds its op record
-        and calls ``ops.update(plan, record, lr_wd=lr_wd, backend=backend)``."""
+        that order). ``lr_wd``: this step's (lr, weight decay) per param group, an ``ops.LrWdTable`` (the
+        [groups, 2] device table the kernels read, with its host values, which the torch backends read);
+        the grads are multiplied by ``grad_scale``, the one fp32 device multiplier that already holds the
+        unscale factor, 1/loss scale and the clip coefficient; ``step`` is the 1-based index of this
+        update; a nonzero device flag ``found_inf`` means: write nothing (a step decided on the device).
+        An elementwise rule builds its op record, ``Step(rule=self, grad_scale=..., found_inf=...)`` (the
+        record reads the rule's constants and never copies them), and calls ``ops.update(plan, record,
+        lr_wd=lr_wd, backend=backend)``: dispatch goes one way, rule -> op record -> backend."""
 
     def hyperparameters(self) -> dict[str, Any]:
         """The rule's constants, recorded in state dicts for inspection (a load keeps the running

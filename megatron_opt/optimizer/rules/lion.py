@@ -26,21 +26,21 @@ class LionStep(UpdateArgs):
 
     op: ClassVar[str] = "lion_step"
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg",)
-    beta1: float
-    beta2: float
+    kernel_constants: ClassVar[tuple[str, ...]] = ("beta1", "beta2")  # csrc/rules/lion.cu's Args
+    rule: "Lion"
 
     def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         lr, weight_decay, param_out = lr_wd.lr, lr_wd.weight_decay, shard.param_out
         g = shard.grad[a:b].float() * self.grad_scale
         m, w = shard.state[0][a:b], shard.master[a:b]
-        direction = m.lerp(g, 1 - self.beta1).sign_()
+        direction = m.lerp(g, 1 - self.rule.beta1).sign_()
         for s, e, gid in shard.table.group_runs():
             w_run = w[s - a : e - a]
             decay = lr[gid] * weight_decay[gid]
             if decay != 0:
                 w_run.mul_(1 - decay)
             w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
-        m.lerp_(g, 1 - self.beta2)
+        m.lerp_(g, 1 - self.rule.beta2)
         if param_out is not None:
             param_out[a:b].copy_(w)
 
@@ -49,9 +49,6 @@ class LionStep(UpdateArgs):
             raise ValueError(f"lion_step: a plan for Lion holds one state per shard (exp_avg), this one has "
                              f"{len(plan.state_dtypes)}")
         super().check(plan)
-
-    def cuda(self, plan: StepPlan, lr_wd: torch.Tensor) -> None:
-        ops.cuda_launch(plan, lr_wd, self, (self.beta1, self.beta2))
 
 
 def recompute(inp: Float64Inputs, beta1: float, beta2: float) -> Float64Update:
@@ -81,8 +78,7 @@ class Lion(UpdateRule):
 
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
-        ops.update(plan, LionStep(grad_scale=grad_scale, found_inf=found_inf, beta1=self.beta1, beta2=self.beta2),
-                   lr_wd=lr_wd, backend=backend)
+        ops.update(plan, LionStep(rule=self, grad_scale=grad_scale, found_inf=found_inf), lr_wd=lr_wd, backend=backend)
 
     def float64_update(self, inputs: Float64Inputs) -> Float64Update:
         return recompute(inputs, self.beta1, self.beta2)
