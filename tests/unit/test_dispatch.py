@@ -86,10 +86,10 @@ def test_without_a_kernel_for_the_plan_the_cuda_backend_runs_the_reference_with_
 
 
 def test_an_op_record_reads_the_rules_constants():
-    for record in (AdamWStep, SGDStep, LionStep):
+    for record in {rule.op_record for rule in RULES if rule.op_record}:
         fields = {f.name for f in dataclasses.fields(record)}
         assert fields <= {"rule", "grad_scale", "found_inf", "step"}, (record.__name__, fields)
-    assert {rule.op_record for rule in RULES if rule.op_record} == {AdamWStep, SGDStep, LionStep}
+    assert {rule.op_record for rule in RULES if rule.op_record} >= {AdamWStep, SGDStep, LionStep}
 
 
 def _calls_into_the_front(cls: type) -> list[str]:
