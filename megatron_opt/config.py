@@ -5,6 +5,11 @@ that sets them keeps working when they hold their defaults) and raise a clear er
 anything else (UnsupportedConfigError): nothing is silently ignored. Numeric fields are range-checked
 at construction as torch.optim checks its arguments (InvalidConfigError naming the field, the value
 and the valid range): a NaN, negative or out-of-range value would otherwise train silently wrong.
+
+What depends on the update rule is checked where the rule is built (optimizer/rules/registry.py's
+``update_rule_from_config``: get_megatron_optimizer, DistributedOptimizer and the main job's flag checks
+call it), against the rule's own declaration: the ``optimizer`` name, the rule's constants (``adam_beta1``,
+``muon_*``, ...) and its other settings. This module imports nothing from optimizer/ (the layers point down).
 """
 from __future__ import annotations
 
@@ -18,7 +23,6 @@ import torch
 
 from .errors import ConfigError, InvalidConfigError, UnsupportedConfigError  # noqa: F401  (re-exported)
 from .ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES, dtype_names
-from .optimizer.rules.registry import OPTIMIZER_NAMES, names_in_words
 
 
 _INF = math.inf
@@ -37,7 +41,7 @@ def _fmt_bound(bound: Any) -> str:
     return str(bound)
 
 
-def _check_range(owner: str, name: str, value: Any, low: Any, high: Any, *, low_open: bool = False,
+def check_range(owner: str, name: str, value: Any, low: Any, high: Any, *, low_open: bool = False,
                  high_open: bool = True, high_label: Optional[str] = None, integer: bool = False,
                  hint: str = "") -> None:
     """Raise InvalidConfigError unless ``value`` is a real number in the interval (NaN never is).
@@ -121,10 +125,10 @@ class DistributedDataParallelConfig:
     def __post_init__(self) -> None:
         # Invalid values first (InvalidConfigError), then valid-but-unsupported ones (UnsupportedConfigError).
         owner = type(self).__name__
-        _check_range(owner, "num_distributed_optimizer_instances", self.num_distributed_optimizer_instances,
+        check_range(owner, "num_distributed_optimizer_instances", self.num_distributed_optimizer_instances,
                      1, _INF, integer=True)
         if self.bucket_size is not None:
-            _check_range(owner, "bucket_size", self.bucket_size, 0, _INF, low_open=True, integer=True,
+            check_range(owner, "bucket_size", self.bucket_size, 0, _INF, low_open=True, integer=True,
                          hint="a bucket's element count; None lets megatron_opt choose")
         if self.data_parallel_sharding_strategy not in DATA_PARALLEL_SHARDING_STRATEGIES:
             raise InvalidConfigError(
@@ -177,7 +181,7 @@ class OptimizerConfig:
     sgd_momentum: float = 0.9
     lion_beta1: float = 0.95  # the interpolation for the sign (megatron-core 0.19's default, as --lion-beta1)
     lion_beta2: float = 0.98  # the momentum decay (megatron-core 0.19's default, as --lion-beta2)
-    # optimizer='muon' (or 'dist_muon'): megatron-core 0.19's muon_* fields and defaults (docs/muon.md).
+    # optimizer='muon': megatron-core 0.19's muon_* fields and defaults (docs/muon.md).
     muon_momentum: float = 0.95
     muon_split_qkv: bool = True
     muon_nesterov: bool = False  # megatron-core 0.16.1 calls it muon_use_nesterov (converted to this)
@@ -208,6 +212,9 @@ class OptimizerConfig:
     # VerificationError is raised on every rank ("raise") or a WARNING logged ("warn").
     verify_interval: int = 0
     verify_action: str = "raise"
+    # megatron_opt only: the constants of update rules megatron-core's OptimizerConfig has no field for, by the
+    # name the rule declares (optimizer/rules/<rule>.py); {} gives each its declared default.
+    rule_constants: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     _UNSUPPORTED = {
         "main_grads_dtype": torch.float32,
@@ -235,37 +242,7 @@ class OptimizerConfig:
                 "OptimizerConfig.overlap_param_gather_with_optimizer_step=True overlaps the distributed optimizer's "
                 "param all-gather with its own step; it needs use_distributed_optimizer=True (and the model wrapped "
                 "with DistributedDataParallelConfig(overlap_param_gather=True)), as in Megatron-LM.")
-        if self.optimizer not in OPTIMIZER_NAMES:
-            raise UnsupportedConfigError(
-                f"OptimizerConfig.optimizer={self.optimizer!r} is not supported; use {names_in_words()}."
-            )
         self._check_precision_aware()
-        if self.optimizer in ("muon", "dist_muon"):
-            self._check_muon()
-
-    def _check_muon(self) -> None:
-        from .optimizer.rules.muon import Muon, TP_MODES
-
-        if self.muon_tp_mode not in TP_MODES:
-            raise InvalidConfigError(f"OptimizerConfig.muon_tp_mode={self.muon_tp_mode!r}: use one of {TP_MODES}.")
-        Muon.from_config(self)  # the rule checks its own constants
-        for name, why in (("fp16", "megatron-core refuses fp16 with Muon too; use bf16"),
-                          ("stochastic_rounding", "Muon's momentum_buffer rounds to nearest (stochastic rounding "
-                                                  "is implemented for AdamW's moments only); leave it False")):
-            if getattr(self, name):
-                raise UnsupportedConfigError(f"OptimizerConfig.{name}=True with optimizer={self.optimizer!r}: {why}.")
-        # The precision-aware optimizer: exp_avg_dtype stores Muon's momentum_buffer (the first moment,
-        # the same EMA of the gradients as AdamW's exp_avg) and AdamW's exp_avg; exp_avg_sq_dtype and
-        # store_param_remainders apply to the AdamW params; Muon's masters stay fp32.
-        if self.exp_avg_dtype not in (torch.float32, torch.bfloat16):
-            raise UnsupportedConfigError(
-                f"OptimizerConfig.exp_avg_dtype={self.exp_avg_dtype} with optimizer={self.optimizer!r}: it stores "
-                f"Muon's momentum_buffer, implemented in torch.float32 or torch.bfloat16; use one of those.")
-        if self.main_params_dtype != torch.float32:
-            raise UnsupportedConfigError(
-                f"OptimizerConfig.main_params_dtype={self.main_params_dtype} with optimizer={self.optimizer!r}: "
-                f"Muon keeps fp32 masters (16-bit masters are implemented for AdamW only); leave main_params_dtype "
-                f"at torch.float32.")
 
     def _check_precision_aware(self) -> None:
         """Megatron-LM's precision-aware optimizer: 16-bit moments and masters, only when asked for."""
@@ -279,9 +256,6 @@ class OptimizerConfig:
             if value != torch.float32 and not self.use_precision_aware_optimizer:
                 raise InvalidConfigError(f"{owner}.{name}={value} needs use_precision_aware_optimizer=True (as in "
                                          f"Megatron-LM); set it, or leave {name} at torch.float32.")
-        if self.use_precision_aware_optimizer and self.optimizer not in ("adam", "muon", "dist_muon"):
-            raise UnsupportedConfigError(f"{owner}.use_precision_aware_optimizer=True supports optimizer='adam' "
-                                         f"(as in Megatron-LM) and 'muon' only (got {self.optimizer!r}).")
         if self.stochastic_rounding and (not self.use_precision_aware_optimizer or torch.bfloat16 not in
                                          (self.exp_avg_dtype, self.exp_avg_sq_dtype)):
             raise InvalidConfigError(f"{owner}.stochastic_rounding=True rounds bf16 moments; it needs "
@@ -309,7 +283,7 @@ class OptimizerConfig:
         def check(name: str, low: Any, high: Any, **kw: Any) -> None:
             value = getattr(self, name)
             if value is not None:
-                _check_range(owner, name, value, low, high, **kw)
+                check_range(owner, name, value, low, high, **kw)
 
         check("lr", 0, _INF, hint="a negative lr trains in the wrong direction")
         check("min_lr", 0, self.lr, high_open=False, high_label=f"lr={self.lr!r}")
@@ -320,12 +294,6 @@ class OptimizerConfig:
         else:
             check("decoupled_min_lr", 0, _INF)
         check("weight_decay", 0, _INF)
-        check("adam_beta1", 0, 1)
-        check("adam_beta2", 0, 1, hint="adam_beta2=1 divides by zero in the bias correction")
-        check("adam_eps", 0, _INF)
-        check("sgd_momentum", 0, 1)
-        check("lion_beta1", 0, 1, high_open=False)
-        check("lion_beta2", 0, 1, high_open=False)
         check("clip_grad", 0, _INF, high_open=False, hint="0 turns gradient clipping off")
         check("grad_norm_skip_threshold", 0, _INF, hint="None or inf turns the check off")
         check("loss_scale", 0, _INF, low_open=True,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional, Protocol
 
-from .optimizer.param_groups import group_weight_decay
+from .optimizer.build.param_groups import group_weight_decay
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")

@@ -28,7 +28,7 @@ import torch
 from . import collectives
 from .errors import RankError
 from .distributed.ddp import DistributedDataParallel
-from .optimizer import phase_timers
+from .optimizer.step import phase_timers
 
 logger = logging.getLogger("megatron_opt")
 

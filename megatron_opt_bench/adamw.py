@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 import torch
 
 import megatron_opt as mo
-from megatron_opt.optimizer.param_groups import build_param_groups, standard_overrides
+from megatron_opt.optimizer.build.param_groups import build_param_groups, standard_overrides
 
 # --mo-states of bench_step.py and bench_optimizer_step.py: megatron_opt's optimizer-state options
 # (Megatron-LM's precision-aware optimizer fields of OptimizerConfig).

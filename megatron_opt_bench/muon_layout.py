@@ -8,7 +8,7 @@ functions, as ``DistributedDataParallel`` does: ``bucket_size_of`` (Megatron-LM'
 ``overlap_grad_reduce``: max(40M, 1M * DP) elements) and ``build_buffer_layout`` (reverse order, 64-element
 param alignment, buckets padded to split into DP equal shards). Every param of these models has one dtype, so
 DDP makes one buffer. From the layout's ``shard_pieces`` it takes how many elements of each Muon matrix every
-rank owns (``MatrixPlacement``), chooses the homes with ``megatron_opt.optimizer.muon_homes.assign_homes``, and
+rank owns (``MatrixPlacement``), chooses the homes with ``megatron_opt.optimizer.whole_tensor.homes.assign_homes``, and
 counts per step, what each rank sends (ring collectives: a reduce-scatter or all-gather of a B-element bucket
 sends (DP-1)/DP * B elements from every rank, padding included):
 
@@ -20,7 +20,7 @@ Per-rank optimizer memory (``state_bytes_per_rank``): AdamW ZeRO-1 keeps, per bu
 pieces of, a master over the whole shard (fp32 for 16-bit params; none for fp32 params, whose master is the
 param) and exp_avg + exp_avg_sq (fp32); Muon keeps the same master per owned element, the momentum_buffer
 (fp32, or bf16 with the precision-aware optimizer) on the Muon matrices' elements and AdamW's two moments on
-the rest, nothing for padding (optimizer/shard_store.py). The rows give the rank with most of each.
+the rest, nothing for padding (optimizer/state/shard_store.py). The rows give the rank with most of each.
 
 ``ratio`` is Muon / AdamW summed over the ranks; ``busiest`` is the same for the rank that sends most (AdamW
 sends the same from every rank). ``NS max/mean`` is the summed Newton-Schulz cost (``placement_cost``) of the
@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 from megatron_opt import DistributedDataParallelConfig
 from megatron_opt.distributed.grad_sync import bucket_size_of
 from megatron_opt.distributed.layout import BufferLayout, build_buffer_layout
-from megatron_opt.optimizer.muon_homes import MatrixPlacement, assign_homes, rank_costs, traffic_elements
+from megatron_opt.optimizer.whole_tensor.homes import MatrixPlacement, assign_homes, rank_costs, traffic_elements
 
 from .gpt_params import GptParam, GptShape, gpt_params, is_muon_matrix
 

@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from . import directory, model_space, param_layout, validation, writer
 from .dcp_errors import dcp_failures
 from .dcp_items import ModelSpaceLoadPlanner
-from ..optimizer.sharded_state_dict import regrouped_scalar_state
+from ..optimizer.state.torch_dist import regrouped_scalar_state
 from .rng import capture_rng, restore_rng
 
 Model = Union[GradSource, Sequence[GradSource]]

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..optimizer.boxes import Box, flat_range_to_boxes
+from ..optimizer.state.boxes import Box, flat_range_to_boxes
 from .param_layout import Placement, whole
 
 

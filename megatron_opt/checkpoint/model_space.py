@@ -14,7 +14,7 @@ key, shape and offsets; tensor-parallel duplicates and the tied copy written onc
 so the checkpoint also reshards across tensor and pipeline parallelism.
 
 The optimizer is read and written only through its declared state view
-(optimizer/state_view.py), the same view its in-memory state_dict() uses.
+(optimizer/state/view.py), the same view its in-memory state_dict() uses.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 from .. import collectives
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from ..optimizer.state_view import (OptimizerStateView, first_nonfinite, model_fingerprint, optimizer_fingerprint,
+from ..optimizer.state.view import (OptimizerStateView, first_nonfinite, model_fingerprint, optimizer_fingerprint,
                                     owned_slices, param_entries, state_names, state_names_of)
 from .dcp_items import ParamChunk
 from .param_layout import Placement

@@ -27,7 +27,7 @@ import torch
 from .. import collectives
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from ..optimizer.state_view import model_fingerprint, param_entries
+from ..optimizer.state.view import model_fingerprint, param_entries
 
 LOCAL = "local"
 MEGATRON_CORE = "megatron_core"
@@ -98,7 +98,7 @@ def _is_written(replica_id: Any) -> bool:
 def _megatron_core_placement(local_key: str, base: Any) -> Placement:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from ..optimizer.sharded_layouts import model_space_targets
+    from ..optimizer.state.torch_dist_layouts import model_space_targets
 
     plain = isinstance(base, ShardedTensor) and base.flattened_range is None
     targets = model_space_targets(base, base.key, base.replica_id) if plain or isinstance(
@@ -122,7 +122,7 @@ def _megatron_core_placement(local_key: str, base: Any) -> Placement:
 
 
 def _megatron_core_placements(chunks: Sequence[GradSource]) -> dict[str, Placement]:
-    from ..optimizer.sharded_layouts import model_params_by_identity
+    from ..optimizer.state.torch_dist_layouts import model_params_by_identity
 
     by_id: dict[int, Any] = {}
     for chunk in chunks:

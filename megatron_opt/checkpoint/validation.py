@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from ..optimizer.state_view import OptimizerStateView, compatibility_problem
+from ..optimizer.state.view import OptimizerStateView, compatibility_problem
 from . import directory, model_space
 
 

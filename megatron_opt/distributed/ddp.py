@@ -3,7 +3,7 @@
 This module is the public class and the order of its work; each concern has its own module:
 ddp_call.py (the two call shapes), ddp_checks.py (construction checks and the replicas' agreement),
 grad_sync.py (buffers and the bucket launch order), hooks.py (grad and forward pre-hooks),
-step_state.py (the named per-step state), shard_publish.py (the optimizer's LocalShards),
+grad_sync_state.py (the named per-step state), shard_publish.py (the optimizer's LocalShards),
 normalisation.py (the gradient factors), megatron_core_members.py (megatron-core's module passthroughs).
 
 Normalisation is deferred (normalisation.py): the buckets are reduced with SUM and nothing
@@ -42,7 +42,7 @@ from .normalisation import GradNormalisation, loss_divisor_factor
 from .parallel_groups import ModelParallelGroups
 from .shard_publish import publish_shards
 from .shard_view import LocalShard, ParamGather
-from .step_state import GradSyncPhase, GradSyncState
+from .grad_sync_state import GradSyncPhase, GradSyncState
 
 
 class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
@@ -195,7 +195,7 @@ class DistributedDataParallel(MegatronCoreModuleMembers, torch.nn.Module):
     grads_received = property(lambda self: self._state.grads_received,
                               doc="Gradients accumulated since zero_grad_buffer() (0 means no backward ran this step).")
     grad_sync_phase = property(lambda self: self._state.phase,
-                               doc="Where this chunk's gradients are in the step (step_state.GradSyncPhase).")
+                               doc="Where this chunk's gradients are in the step (grad_sync_state.GradSyncPhase).")
     param_gather = property(lambda self: self._param_gather,
                             doc="Whether, how and by whom this chunk's param all-gather is dispatched "
                                 "(shard_view.ParamGather).")

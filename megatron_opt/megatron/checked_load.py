@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 from .. import collectives
 from ..errors import CheckpointError
-from ..optimizer.sharded_layouts import FULLY_RESHARDABLE_FLAG
+from ..optimizer.state.torch_dist_layouts import FULLY_RESHARDABLE_FLAG
 
 # prefix (the dp group and buffer), bucket index, state name
 _BUCKET_KEY = re.compile(r"^(?P<buffer>.*optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*)"

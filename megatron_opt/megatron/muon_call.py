@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from ..errors import UnsupportedConfigError
-from ..optimizer import factory
+from ..optimizer.build import factory
+from ..optimizer.rules.muon import QKV_SPLIT_ATTR, Muon
 
 QKV_WEIGHT = "linear_qkv.weight"  # megatron-core's name test for the fused QKV projection
-QKV_SPLIT_ATTR = "qkv_split_shapes"
-MUON_OPTIMIZERS = ("muon", "dist_muon")
 
 
 def qkv_split_shapes(transformer_config: Any) -> Optional[tuple[int, ...]]:
@@ -55,7 +54,7 @@ def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs:
     """megatron_opt's get_megatron_optimizer (same call shape) as install() puts it where megatron-core's
     was: with ``optimizer='muon'`` (or ``'dist_muon'``) the QKV weights are tagged first, as megatron-core's
     own Muon path does."""
-    if getattr(config, "optimizer", None) in MUON_OPTIMIZERS:
+    if getattr(config, "optimizer", None) in Muon.names():
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         tag_qkv_split_shapes(chunks)
     return factory.get_megatron_optimizer(config, model_chunks, *args, **kwargs)

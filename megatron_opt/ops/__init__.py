@@ -1,9 +1,10 @@
 """The step's fused operations, behind one front: one call per pass over every shard of a ``StepPlan``.
 
 * ``grad_stats(plan, inv_scale, stats)``: pass 1, the gradient statistics;
-* ``update(plan, args, lr_wd=...)``: pass 2, the update of an update rule, whose op record ``args``
-  (an ``UpdateArgs`` subclass, e.g. ``optimizer.rules.adamw.AdamWStep``) holds the rule's constants
-  and its backends (``ops/op_args.py``);
+* ``update(plan, record, lr_wd=...)``: pass 2, the update of an update rule, whose op record ``record``
+  (an ``UpdateArgs`` subclass, e.g. ``optimizer.rules.adamw.AdamWStep``) holds the rule, its math and
+  what its kernel takes (``ops/op_args.py``); ``lr_wd`` is an ``LrWdTable`` (the device table and its
+  host values);
 * ``advance_step(step, found_inf)``: the update counter.
 
 A one-shard plan is the single-shard case. Three backends share the semantics of the reference (the
@@ -25,7 +26,7 @@ from typing import Literal, Optional
 import torch
 
 from . import cpu, reference
-from .op_args import LrWd, ShardOperands, StatsArgs, UpdateArgs
+from .op_args import KernelCall, LrWd, LrWdTable, ShardOperands, StatsArgs, UpdateArgs
 from .piece_table import PieceTable, full_table
 from .step_plan import DeviceHyperparams, StepPlan, host_lr_wd, lr_wd_table
 from .reference import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
@@ -94,33 +95,23 @@ def grad_stats(plan: StepPlan, inv_scale: torch.Tensor, stats: torch.Tensor, cou
         impl.grad_stats(s, args)
 
 
-def update(plan: StepPlan, args: UpdateArgs, *, lr_wd: torch.Tensor, backend: Backend = "auto") -> None:
+def update(plan: StepPlan, args: UpdateArgs, *, lr_wd: "LrWdTable | torch.Tensor", backend: Backend = "auto") -> None:
     """Pass 2 of ``args``'s rule over every shard of ``plan`` (whose shard state is the rule's state
-    tensors, in order); ``lr_wd``: the [groups, 2] float64 (lr, weight decay) table on the plan's
-    device. One launch on the CUDA extension; on a torch backend the rule's op per shard, with the
-    table's host values (those ``DeviceHyperparams`` staged, so no device read)."""
+    tensors, in order); ``lr_wd``: this step's (lr, weight decay) per param group, an ``LrWdTable`` (a bare
+    [groups, 2] float64 device table is read back to the host once). One launch of the rule's kernel on the
+    CUDA extension; on a torch backend the record's op per shard, with the table's host values (those
+    ``DeviceHyperparams`` staged, so no device read). The record is read, never called back into the front."""
     if not plan.shards:
         return
     name = resolve_backend(plan.shards[0].grad, backend)
+    table = LrWdTable.of(lr_wd)
     if name == "cuda-ext":
-        _cuda_impl.update(plan, lr_wd, args)
+        _cuda_impl.update(plan, table, args)
         return
-    plan.check_groups(lr_wd, args.op)
-    host = host_lr_wd(lr_wd)
+    plan.check_groups(table.table, args.op)
     step_op = args.cpu if name == "cpu" else args.reference
     for s in plan.shards:
-        step_op(s, host)
-
-
-def cuda_launch(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs, constants: tuple[float, ...],
-                step: Optional[torch.Tensor] = None, stochastic: bool = False) -> None:
-    """One launch of the compiled kernel registered as ``args.op`` (csrc/rules/) over every chunk of
-    ``plan``: what a rule's ``UpdateArgs.cuda`` calls. ``constants``: the rule's constants in the order
-    its kernel reads them; ``step``: the device update counter, for a kernel that reads it;
-    ``stochastic``: round bf16 state stochastically (precision-aware kernels)."""
-    if _cuda_impl is None:
-        raise RuntimeError(f"{args.op}: the CUDA extension is not built ({CUDA_EXT_ERROR}).")
-    _cuda_impl.launch_update(plan, lr_wd, args, constants, step=step, stochastic=stochastic)
+        step_op(s, table.host)
 
 
 def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None, *, backend: Backend = "auto") -> None:
@@ -139,10 +130,11 @@ __all__ = [
     "grad_stats",
     "update",
     "advance_step",
-    "cuda_launch",
     "StepPlan",
     "ShardOperands",
     "LrWd",
+    "LrWdTable",
+    "KernelCall",
     "StatsArgs",
     "UpdateArgs",
     "DeviceHyperparams",

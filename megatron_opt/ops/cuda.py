@@ -1,5 +1,5 @@
 """The CUDA backend (wrapping the compiled ``megatron_opt._C``): pass 1, the step counter, and the
-one generic pass-2 launch every update rule's ``UpdateArgs.cuda`` calls.
+one generic pass-2 launch of a rule's registered kernel, from its op record's ``KernelCall``.
 
 Same semantics as the torch backends. Importing this module raises ImportError when the extension was
 not built (``megatron_opt.ops`` then falls back to the reference). ``kernels`` is the compiled module
@@ -15,17 +15,18 @@ Shapes: every flat tensor (grad, master, state, param_out) is 1-D, contiguous, o
 device, with at least ``table.numel`` elements; the table's coordinates index them directly.
 
 Pass 2's kernels are registered by name in csrc (``MEGATRON_OPT_REGISTER_*`` in ``csrc/rules/<rule>.cu``)
-and launched through the one binding ``kernels.pass2(op, ...)``; ``launch_update`` passes a rule's
-constants as a list of doubles in the order its kernel's ``Args`` reads them.
+and launched through the one binding ``kernels.pass2(op, ...)``, with the record's ``KernelCall``: the
+rule's constants as a list of doubles in the order its kernel's ``Args`` reads them. A record without a
+kernel for the plan runs its reference here, shard by shard, on the CUDA tensors.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch  # must precede the extension import (it loads libc10 / libtorch)
 
 from .. import _C as kernels  # noqa: E402  (raises ImportError when the extension was not built)
-from .op_args import StatsArgs, UpdateArgs
+from .op_args import KernelCall, LrWdTable, StatsArgs, UpdateArgs
 from .operand_checks import FLOAT_DTYPES, check_flat, check_scalar, check_stats
 from .step_plan import DTYPE_CODES, MASTER_CODES, StepPlan
 
@@ -80,26 +81,36 @@ def advance_step(step: torch.Tensor, found_inf: Optional[torch.Tensor] = None) -
 # ------------------------------------------------------------------------------------------------
 # Pass 2
 # ------------------------------------------------------------------------------------------------
-def update(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs) -> None:
+def update(plan: StepPlan, lr_wd: LrWdTable, args: UpdateArgs) -> None:
     """Pass 2 of ``args``'s rule over every shard of ``plan``: the common checks, the rule's own
-    (``args.check``), then its launch (``args.cuda``)."""
+    (``args.check``), then one launch of its kernel, or, without a kernel for this plan, its reference per
+    shard on the CUDA tensors (it reads ``found_inf`` on the host, so it syncs and cannot be captured in a
+    CUDA graph)."""
     cuda_device(args.op, plan.shards[0].grad)
-    plan.check_groups(lr_wd, args.op)
+    plan.check_groups(lr_wd.table, args.op)
     args.check(plan)
-    if plan.num_chunks:
-        args.cuda(plan, lr_wd)
+    if not plan.num_chunks:
+        return
+    call = args.kernel_call(plan)
+    if call is not None:
+        launch_update(plan, lr_wd.table, args.op, args.grad_scale, args.found_inf, call)
+        return
+    if plan.device is not None and plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{args.op}: no kernel for state dtypes {list(plan.state_dtypes)}; the reference "
+                           "fallback syncs with the host and cannot be captured in a CUDA graph")
+    for s in plan.shards:
+        args.reference(s, lr_wd.host)
 
 
-def launch_update(plan: StepPlan, lr_wd: torch.Tensor, args: UpdateArgs, constants: Sequence[float],
-                  step: Optional[torch.Tensor] = None, stochastic: bool = False) -> None:
-    """One launch of the kernel registered as ``args.op`` over every chunk of ``plan``. ``constants``:
-    the rule's constants in the order its kernel reads them; ``step``: the device update counter (for
-    rules that read it); ``stochastic``: round bf16 state stochastically (precision-aware rules)."""
+def launch_update(plan: StepPlan, lr_wd: torch.Tensor, op: str, grad_scale: torch.Tensor,
+                  found_inf: Optional[torch.Tensor], call: KernelCall) -> None:
+    """One launch of the kernel registered as ``op`` over every chunk of ``plan``, with ``call``'s constants
+    (in the order its kernel reads them), update counter and rounding."""
     d = plan.device_tensors()
     s0, s1 = plan.state_codes()
-    kernels.pass2(args.op, d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan),
-                  MASTER_CODES[plan.master_dtype], s0, s1, lr_wd, args.grad_scale, args.found_inf, step,
-                  bool(stochastic), [float(c) for c in constants])
+    kernels.pass2(op, d["ptrs"], d["chunks"], DTYPE_CODES[plan.grad_dtype], _param_code(plan),
+                  MASTER_CODES[plan.master_dtype], s0, s1, lr_wd, grad_scale, found_inf, call.step,
+                  bool(call.stochastic), [float(c) for c in call.constants])
 
 
 __all__ = ["kernels", "cuda_device", "grad_stats", "advance_step", "update", "launch_update"]

@@ -14,8 +14,9 @@ param dtype, typically one buffer: the optimizer's ``LaunchPlan``) and each pass
   per-chunk partials (and so the grad norm) are bitwise the same on any GPU and grid size.
 
 Torch backends (``reference``, ``cpu``) run the same plan shard by shard, so every backend takes the
-same arguments. They read lr and weight decay on the host: ``DeviceHyperparams`` keeps the host values
-it staged beside its device table (``host_lr_wd``), so they never travel host -> device -> host.
+same arguments. They read lr and weight decay on the host: ``DeviceHyperparams`` hands out an
+``LrWdTable``, its device table with the host values it staged, so they never travel host -> device ->
+host (and nothing is hidden on the tensor).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .op_args import LrWd, ShardOperands
+from .op_args import LrWd, LrWdTable, ShardOperands
 from .operand_checks import check_plan_shards
 from .precision import FLOAT_DTYPES
 
@@ -34,7 +35,6 @@ MAX_STATES = 2
 _VECTOR_BYTES = 16
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/common.cuh kCodeF32, kCodeBF16, kCodeF16
 MASTER_CODES = {torch.float32: 0, torch.float16: 2, torch.int16: 3}  # 3: remainder (csrc/common.cuh kCodeRem)
-_HOST_VALUES = "_megatron_opt_host_lr_wd"  # the LrWd a table was staged from, kept on the table tensor
 _IN_NORM_BIT = 32
 _PHASE_SHIFT = 40
 
@@ -169,9 +169,9 @@ def _upload(host: torch.Tensor, device: torch.device, keep: dict) -> torch.Tenso
     return pinned.to(device, non_blocking=True)
 
 
-def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> torch.Tensor:
-    """A [num_groups, 2] float64 (lr, weight decay) table on ``device``, copied without a host sync
-    (a new table per call: the optimizer keeps one ``DeviceHyperparams`` instead)."""
+def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> LrWdTable:
+    """A [num_groups, 2] float64 (lr, weight decay) table on ``device`` with its host values, copied
+    without a host sync (a new table per call: the optimizer keeps one ``DeviceHyperparams`` instead)."""
     lr_l, wd_l = [float(x) for x in lr], [float(x) for x in weight_decay]
     if len(lr_l) != len(wd_l):
         raise ValueError(f"lr has {len(lr_l)} entries but weight_decay has {len(wd_l)}")
@@ -179,21 +179,17 @@ def lr_wd_table(lr: Sequence[float], weight_decay: Sequence[float], device: torc
         raise ValueError("lr must have one entry per param group")
     host = torch.tensor(list(zip(lr_l, wd_l)), dtype=torch.float64)
     if device.type != "cuda":
-        out = host.to(device)
-    else:
-        out = torch.empty_like(host, device=device)
-        out._megatron_opt_source = host.pin_memory()  # alive as long as the table (graph replays read it)
-        out.copy_(out._megatron_opt_source, non_blocking=True)
-    setattr(out, _HOST_VALUES, LrWd(lr_l, wd_l))
-    return out
+        return LrWdTable(host.to(device), LrWd(lr_l, wd_l))
+    pinned = host.pin_memory()  # alive as long as the table (graph replays read it)
+    out = torch.empty_like(host, device=device)
+    out.copy_(pinned, non_blocking=True)
+    return LrWdTable(out, LrWd(lr_l, wd_l), pinned_source=pinned)
 
 
-def host_lr_wd(lr_wd: torch.Tensor) -> LrWd:
-    """The host values of a [groups, 2] (lr, weight decay) table: those it was staged from by
-    ``lr_wd_table`` or ``DeviceHyperparams`` (float64 both ways, so bitwise the table's values), else
-    read back from the device."""
-    staged = getattr(lr_wd, _HOST_VALUES, None)
-    return staged if staged is not None else LrWd.from_table(lr_wd)
+def host_lr_wd(lr_wd: "LrWdTable | torch.Tensor") -> LrWd:
+    """The host values of an (lr, weight decay) table: those an ``LrWdTable`` was staged from (float64 both
+    ways, so bitwise the table's), or, for a bare tensor, read back from the device."""
+    return LrWdTable.of(lr_wd).host
 
 
 class DeviceHyperparams:
@@ -203,8 +199,10 @@ class DeviceHyperparams:
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.table = torch.zeros(max(1, num_groups), 2, dtype=torch.float64, device=device)
         self._uploaded: Optional[tuple] = None
+        self._staged: Optional[LrWdTable] = None
 
-    def update(self, lr: Sequence[float], weight_decay: Sequence[float]) -> torch.Tensor:
+    def update(self, lr: Sequence[float], weight_decay: Sequence[float]) -> LrWdTable:
+        """Stage this step's values (an upload only when one changed): the table, with its host values."""
         values = tuple(zip((float(x) for x in lr), (float(x) for x in weight_decay)))
         if len(values) != self.table.shape[0]:
             raise ValueError(f"{len(values)} param groups, the table was built for {self.table.shape[0]}")
@@ -214,8 +212,8 @@ class DeviceHyperparams:
                 host = host.pin_memory()  # the caching host allocator keeps it alive until the copy is done
             self.table.copy_(host, non_blocking=self.table.is_cuda)
             self._uploaded = values
-            setattr(self.table, _HOST_VALUES, LrWd([v[0] for v in values], [v[1] for v in values]))
-        return self.table
+            self._staged = LrWdTable(self.table, LrWd([v[0] for v in values], [v[1] for v in values]))
+        return self._staged
 
 
 __all__ = ["CHUNK", "DTYPE_CODES", "MASTER_CODES", "ShardOperands", "StepPlan", "lr_wd_table", "host_lr_wd",

@@ -18,8 +18,8 @@ from ..distributed.shard_view import chain_stats_groups
 from .distrib_optimizer import DistributedOptimizer
 from .megatron_optimizer import MegatronOptimizer
 from .leaf import OptimizerLeaf
-from .state_view import LeafView
-from .step_driver import StepDriver
+from .state.view import LeafView
+from .step.driver import StepDriver
 
 
 class ChainedOptimizer(MegatronOptimizer):

@@ -17,20 +17,23 @@ from ..config_conversion import as_optimizer_config
 from .grad_scaler import MegatronGradScaler
 from .megatron_optimizer import MegatronOptimizer
 from .leaf import OptimizerLeaf
-from .shard_store import ShardStore
-from .state_dict import STATE_DICT_FORMAT
-from .state_view import LeafView, leaf_view
-from .step_driver import StepDriver
+from .state.shard_store import ShardStore
+from .state.in_memory import STATE_DICT_FORMAT
+from .state.view import LeafView, leaf_view
+from .step.driver import StepDriver
 from .rules.base import Needs, UpdateRule
 from .rules.registry import resolve_update_rule
-from .whole_tensor_leaf import WholeTensorLeaf
+from .whole_tensor.leaf import WholeTensorLeaf
 
 
 class DistributedOptimizer(MegatronOptimizer):
     """ZeRO-1 optimizer over the grad buffers of one or more DistributedDataParallel chunks.
 
     Args:
-        config: OptimizerConfig (optimizer 'adam' = AdamW, 'sgd' or 'lion').
+        config: OptimizerConfig (or megatron-core's); its ``optimizer`` names the update rule, any name of
+            rules/registry.py's UPDATE_RULES ('adam' = AdamW, 'lion', 'sgd', 'muon' / 'dist_muon'), checked
+            against the rule here; Muon needs whole tensors and runs only with ``selects`` (as
+            get_megatron_optimizer builds it, with its AdamW companion).
         model_chunks: DistributedDataParallel modules (any shard_view.GradSource) whose buffers this
             optimizer owns.
         param_groups: torch-style groups of *model* params with optional 'wd_mult', 'lr_mult',

@@ -2,12 +2,13 @@
 
 Shards that share an unscale factor, dtypes and stats role form one ``LaunchPlan`` with one
 ``StepPlan`` (built once), so each pass is one call per plan, not one per bucket; the per-group lr
-and weight decay live in a device table (``DeviceHyperparams``) updated in place.
+and weight decay live in a device table (``DeviceHyperparams``) updated in place, handed to the rule with
+its host values (``ops.LrWdTable``).
 
 The driver calls the leaf protocol (``accumulate_local_stats``, ``stage_hyperparams``,
 ``apply_update``, ``start_param_sync``, ``clear_model_grads``); the leaf never decides anything on
 its own. Checkpoints and Megatron-LM's API read and write the state through the accessors below
-(``piece_states``, ``state_tensors``, ...), which state_access implements.
+(``piece_states``, ``state_tensors``, ...), which state/piece_state.py implements.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ import torch
 
 from .. import ops
 from ..distributed.shard_view import GradSource, LocalShard, StatsRole
-from . import state_access
-from .grad_multiplier import GradMultiplier
-from .shard_store import OwnedShard, ShardStore
-from .state_access import PieceState
+from .state import piece_state
+from .step.grad_multiplier import GradMultiplier
+from .state.shard_store import OwnedShard, ShardStore
+from .state.piece_state import PieceState
 from .rules.base import UpdateRule
 
 
@@ -104,8 +105,9 @@ class OptimizerLeaf:
                 ops.grad_stats(lp.step_plan, lp.multiplier.inv_scale, stats[: ops.NUM_STATS], count_zeros,
                                backend=self.backend)
 
-    def stage_hyperparams(self) -> torch.Tensor:
-        """Copy the param_groups' lr and weight decay into the device table (only when one changed)."""
+    def stage_hyperparams(self) -> ops.LrWdTable:
+        """Copy the param_groups' lr and weight decay into the device table (only when one changed): the
+        table with its host values."""
         return self._hyperparams.update([g["lr"] for g in self.param_groups],
                                         [g["weight_decay"] for g in self.param_groups])
 
@@ -144,26 +146,26 @@ class OptimizerLeaf:
 
     # ----------------------------------------------------------------- state access (checkpoints, torch.optim's API)
     def piece_states(self) -> list[PieceState]:
-        return state_access.piece_states(self.store)
+        return piece_state.piece_states(self.store)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        return state_access.state_tensors(self.store)
+        return piece_state.state_tensors(self.store)
 
     def state_bytes(self) -> list[tuple[GradSource, str, str, int]]:
-        return state_access.state_bytes(self.store)
+        return piece_state.state_bytes(self.store)
 
     def per_param_state(self) -> dict[torch.Tensor, dict[str, Any]]:
-        return state_access.per_param_state(self.store)
+        return piece_state.per_param_state(self.store)
 
     def gather_main_params(self) -> dict[str, torch.Tensor]:
-        return state_access.gather_main_params(self.store)
+        return piece_state.gather_main_params(self.store)
 
     def reload_model_params(self) -> None:
-        state_access.reload_model_params(self.store)
+        piece_state.reload_model_params(self.store)
 
     def sync_params_from_masters(self) -> None:
         """Round the masters into the model params and all-gather them (after the masters were set)."""
-        state_access.round_masters_into_params(self.store)
+        piece_state.round_masters_into_params(self.store)
         self.start_param_sync(force_sync=True)
         self.finish_param_sync()
 

@@ -12,13 +12,13 @@ import torch
 
 from .. import collectives
 from ..errors import StepOrderError, UnsupportedConfigError
-from . import state_dict as optimizer_state_dict
+from .state import in_memory as in_memory_state
 from .grad_scaler import MegatronGradScaler
 from .leaf import OptimizerLeaf
-from .state_access import GAPS, PieceState
-from .step_driver import SkipReason, StepDriver, StepState
-from .verify import VerifyReport
-from .state_view import LeafView, param_key
+from .state.piece_state import GAPS, PieceState
+from .step.driver import SkipReason, StepDriver, StepState
+from .verify.step_verifier import VerifyReport
+from .state.view import LeafView, param_key
 
 
 class MegatronOptimizer:
@@ -143,7 +143,7 @@ class MegatronOptimizer:
 
     def state_memory(self) -> dict[str, dict[str, int]]:
         """This rank's optimizer memory: {state name ('master', 'exp_avg', 'momentum_buffer', ...):
-        {param key (as in state_dict() and checkpoints): bytes}}, plus the key state_access.GAPS for
+        {param key (as in state_dict() and checkpoints): bytes}}, plus the key piece_state.GAPS for
         allocated elements that no param covers. Masters that are the fp32 params themselves count 0."""
         chunks = self.model_chunks
         out: dict[str, dict[str, int]] = {}
@@ -212,7 +212,7 @@ class MegatronOptimizer:
         for leaf in self._leaves():
             leaf.reload_model_params()
 
-    # ----------------------------------------------------------------- the state view (state_view.OptimizerStateView)
+    # ----------------------------------------------------------------- the state view (state/view.py OptimizerStateView)
     def state_leaves(self) -> list[LeafView]:
         """Each leaf as checkpoint code sees it: update rule, owned pieces tagged with their model chunk,
         param groups, update counter (the one view megatron_opt.checkpoint and state_dict() use)."""
@@ -224,29 +224,29 @@ class MegatronOptimizer:
 
     # ----------------------------------------------------------------- state_dict: in memory, per parameter
     def state_dict(self, is_loading: bool = False) -> dict:
-        """This rank's optimizer state per parameter, in model space (optimizer/state_dict.py): the
+        """This rank's optimizer state per parameter, in model space (optimizer/state/in_memory.py): the
         pieces it owns, plus hyperparameters, update counts and the loss scaler. ``is_loading``
         (megatron-core's: a template to load into) returns the same."""
-        return optimizer_state_dict.build(self)
+        return in_memory_state.build(self)
 
     def check_loadable(self, state_dict: dict) -> None:
         """Raise ValueError (changing nothing) unless ``state_dict`` loads on this rank: the same model
         and update rules, no non-finite values, and the elements this rank owns present in it."""
-        optimizer_state_dict.check(self, state_dict)
+        in_memory_state.check(self, state_dict)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a state_dict() (every rank calls it; it ends with a param all-gather). The ranks agree
         first: a state_dict refused on any rank raises the same ValueError on every rank. Also takes
         megatron-core's distributed-optimizer formats, as dist_checkpointing.load returns them for
-        sharded_state_dict(..., is_loading=True) (optimizer/sharded_state_dict.py)."""
-        from . import sharded_state_dict as megatron_format
+        sharded_state_dict(..., is_loading=True) (optimizer/state/torch_dist.py)."""
+        from .state import torch_dist as megatron_format
 
         if megatron_format.is_megatron_format(state_dict):
             megatron_format.load(self, state_dict)
             return
         collectives.raise_together(lambda: self.check_loadable(state_dict), self._state_dict_group(),
                                    f"{type(self).__name__}.load_state_dict", ValueError)
-        optimizer_state_dict.load(self, state_dict)
+        in_memory_state.load(self, state_dict)
 
     # ----------------------------------------------------------------- members Megatron-LM's training loop reads
     is_stub_optimizer = False  # megatron-core's placeholder optimizer for ranks without params; never us
@@ -268,8 +268,8 @@ class MegatronOptimizer:
         """megatron-core's distributed-optimizer checkpoint (Megatron-LM's --ckpt-format torch_dist), in
         the format ``metadata['distrib_optim_sharding_type']`` names: 'fully_reshardable' (per param, in
         model space, loadable at any parallel layout) or 'dp_reshardable' (megatron-core's flat buckets).
-        Needs megatron-core; see optimizer/sharded_state_dict.py and docs/checkpoints.md."""
-        from . import sharded_state_dict as megatron_format
+        Needs megatron-core; see optimizer/state/torch_dist.py and docs/checkpoints.md."""
+        from .state import torch_dist as megatron_format
 
         return megatron_format.build(self, model_sharded_state_dict, is_loading, metadata)
 

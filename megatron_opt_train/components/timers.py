@@ -6,7 +6,7 @@
 Nothing is monkeypatched. This object speaks Megatron-LM's Timers interface (``timers(name,
 log_level)`` -> the one clock of that name, with start/stop) and is given where Megatron-LM gives its
 Timers: as ``OptimizerConfig.timers`` (the optimizer times its passes, and megatron_opt.train_step its
-gradient sync and the step: megatron_opt.optimizer.phase_timers, docs/usage.md "Timers"), and, for
+gradient sync and the step: megatron_opt.optimizer.step.phase_timers, docs/usage.md "Timers"), and, for
 ``all-grads-sync`` only, as megatron-core's ``TransformerConfig.timers`` (finalize_model_grads). What
 the runner calls itself it times itself (the model-parallel runner's optimizer.step, the forward
 step). Level 0 times nothing and adds no synchronisation.
@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_opt.optimizer import phase_timers
+from megatron_opt.optimizer.step import phase_timers
 
 # Level 1 ends with the optimizer's own phases (timed by the optimizer through OptimizerConfig.timers).
 TIMERS_BY_LEVEL = {1: ("forward-backward", phase_timers.GRAD_SYNC, phase_timers.OPTIMIZER, phase_timers.PASS1,

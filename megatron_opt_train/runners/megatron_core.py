@@ -48,7 +48,7 @@ import torch.distributed as dist
 import megatron_opt as mo
 from megatron_opt.megatron import arguments as megatron_args
 from megatron_opt.megatron.muon_call import tag_qkv_split_shapes
-from megatron_opt.optimizer import phase_timers
+from megatron_opt.optimizer.step import phase_timers
 
 from ..components.data import Batch, build_source, padded_vocab_size
 from ..components.megatron_core_on_cpu import patched

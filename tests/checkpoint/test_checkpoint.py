@@ -13,7 +13,7 @@ import torch
 import megatron_opt as mo
 import megatron_opt.checkpoint as ckpt
 from megatron_opt.checkpoint import directory
-from megatron_opt.optimizer.boxes import flat_range_to_boxes
+from megatron_opt.optimizer.state.boxes import flat_range_to_boxes
 
 from tests.checkpoint import cases_checkpoint as cc
 
@@ -206,7 +206,7 @@ def test_nonfinite_saved_state_is_rejected(pools, tmp_path):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_nonfinite_check_reaches_past_its_first_slice(bad):
-    from megatron_opt.optimizer.state_view import FINITE_CHECK_SLICE, first_nonfinite
+    from megatron_opt.optimizer.state.view import FINITE_CHECK_SLICE, first_nonfinite
 
     n = 3 * FINITE_CHECK_SLICE + 5  # the check goes in slices; the bad value is in the last
     named = {"a": torch.zeros(7), "b": torch.zeros(n), "steps": torch.zeros(3, dtype=torch.int64)}

@@ -35,7 +35,7 @@ def _backward(ddp: mo.DistributedDataParallel, seed: int = 0) -> None:
 def test_optimizer_imports_only_the_shard_view_from_distributed():
     allowed = {"shard_view"}
     offenders = []
-    for path in sorted((PACKAGE / "optimizer").glob("*.py")):
+    for path in sorted((PACKAGE / "optimizer").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and "distributed" in node.module.split("."):
                 module = node.module.split(".")[-1]
@@ -51,7 +51,7 @@ GRAD_SOURCE = {"param_gather", "step_id", "grads_received", "local_shards", "fin
 
 def _attribute_reads(folder: str) -> list[tuple[str, int, str]]:
     """(file, line, attribute name) of every attribute read in the package folder's modules."""
-    return [(path.name, node.lineno, node.attr) for path in sorted((PACKAGE / folder).glob("*.py"))
+    return [(path.name, node.lineno, node.attr) for path in sorted((PACKAGE / folder).rglob("*.py"))
             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)]
 
 
@@ -62,7 +62,7 @@ def test_the_optimizer_knows_a_chunk_only_through_the_grad_source_protocol():
     assert {n for n in vars(mo.GradSource) if not n.startswith("_")} == GRAD_SOURCE
     reads = _attribute_reads("optimizer")
     offenders = [f"{f}:{line} reads .{attr}" for f, line, attr in reads
-                 if attr in ("ddp_config", "spans_model_parallel") or (f == "verify.py" and attr == "store")]
+                 if attr in ("ddp_config", "spans_model_parallel") or (f == "step_verifier.py" and attr == "store")]
     assert not offenders, offenders
     ddp, _ = build(TinyLM())
     assert isinstance(ddp.param_gather, mo.ParamGather) and ddp.param_gather.use_distributed_optimizer
@@ -131,11 +131,11 @@ class _HalfStepSGD(mo.UpdateRule):
         return {"calls": torch.float64}
 
     def apply(self, plan, *, lr_wd, grad_scale, step, backend, found_inf=None):
-        half = ops.lr_wd_table((lr_wd[:, 0] / 2).tolist(), lr_wd[:, 1].tolist(), lr_wd.device)
+        half = ops.lr_wd_table([lr / 2 for lr in lr_wd.host.lr], lr_wd.host.weight_decay, lr_wd.table.device)
         for s in plan.shards:  # shard state: state_dtypes()'s tensors in order
             s.state[0].add_(1)
             ops.update(ops.StepPlan((ops.ShardOperands(s.table, s.grad, s.master, (), s.param_out),)),
-                       SGDStep(grad_scale=grad_scale, momentum=0.0), lr_wd=half, backend=backend)
+                       SGDStep(rule=mo.SGD(momentum=0.0), grad_scale=grad_scale), lr_wd=half, backend=backend)
 
 
 def test_a_custom_update_rule_is_one_class():

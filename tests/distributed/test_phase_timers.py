@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import cases_phase_timers as cpt
-from megatron_opt.optimizer import phase_timers as pt
+from megatron_opt.optimizer.step import phase_timers as pt
 
 INF = float("inf")
 

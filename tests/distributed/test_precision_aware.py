@@ -7,6 +7,7 @@ import torch
 
 from tests.distributed import cases_precision as cp
 import megatron_opt as mo
+from megatron_opt.optimizer.rules.registry import update_rule_from_config
 from tests.support.common import TinyLM
 from megatron_opt.ops import precision
 
@@ -59,8 +60,8 @@ def test_precision_aware_config_validation():
         mo.OptimizerConfig(lr=1e-3, exp_avg_dtype=BF16)
     with pytest.raises(mo.InvalidConfigError, match="main_params_dtype"):
         mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, main_params_dtype=BF16)
-    with pytest.raises(mo.UnsupportedConfigError, match="adam"):
-        mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, optimizer="sgd")
+    with pytest.raises(mo.UnsupportedConfigError, match="adam"):  # where the rule is built (issue 38)
+        update_rule_from_config(mo.OptimizerConfig(lr=1e-3, use_precision_aware_optimizer=True, optimizer="sgd"))
     with pytest.raises(mo.InvalidConfigError, match="stochastic_rounding"):
         mo.OptimizerConfig(lr=1e-3, stochastic_rounding=True)
     with pytest.raises(mo.InvalidConfigError, match="stochastic_rounding"):

@@ -13,7 +13,7 @@ import torch
 
 import megatron_opt.ops as ops
 from megatron_opt.ops.piece_table import PieceTable
-from megatron_opt.optimizer.rules import AdamWStep, LionStep, SGDStep
+from megatron_opt.optimizer.rules import SGD, AdamW, AdamWStep, Lion, LionStep, SGDStep
 
 _CACHE = 8
 
@@ -25,7 +25,7 @@ def _plan(shard: ops.ShardOperands, update: bool = True) -> ops.StepPlan:
     return shard.table.memo("one_shard", key, lambda: ops.StepPlan((shard,), update=update), max_entries=_CACHE)
 
 
-def _lr_wd(table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> torch.Tensor:
+def _lr_wd(table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> ops.LrWdTable:
     key = ("lr_wd", str(device), tuple(float(x) for x in lr), tuple(float(x) for x in weight_decay))
     return table.memo("one_shard", key, lambda: ops.lr_wd_table(lr, weight_decay, device), max_entries=_CACHE)
 
@@ -46,8 +46,8 @@ def adamw_step(grad, master, exp_avg, exp_avg_sq, param_out: Optional[torch.Tens
                beta1: float, beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
                stochastic_rounding: bool = False, backend: ops.Backend = "auto") -> None:
     _update(ops.ShardOperands(table, grad, master, (exp_avg, exp_avg_sq), param_out), lr, weight_decay,
-            AdamWStep(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1, beta2=beta2, eps=eps,
-                      stochastic_rounding=stochastic_rounding), backend)
+            AdamWStep(rule=AdamW(beta1=beta1, beta2=beta2, eps=eps, stochastic_rounding=stochastic_rounding),
+                      grad_scale=grad_scale, found_inf=found_inf, step=step), backend)
 
 
 def sgd_step(grad, master, momentum_buffer: Optional[torch.Tensor], param_out: Optional[torch.Tensor],
@@ -56,31 +56,31 @@ def sgd_step(grad, master, momentum_buffer: Optional[torch.Tensor], param_out: O
              backend: ops.Backend = "auto") -> None:
     state = () if momentum_buffer is None else (momentum_buffer,)
     _update(ops.ShardOperands(table, grad, master, state, param_out), lr, weight_decay,
-            SGDStep(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum, nesterov=nesterov), backend)
+            SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf), backend)
 
 
 def lion_step(grad, master, exp_avg, param_out: Optional[torch.Tensor], table: PieceTable, *,
               lr: Sequence[float], weight_decay: Sequence[float], grad_scale: torch.Tensor, beta1: float,
               beta2: float, found_inf: Optional[torch.Tensor] = None, backend: ops.Backend = "auto") -> None:
     _update(ops.ShardOperands(table, grad, master, (exp_avg,), param_out), lr, weight_decay,
-            LionStep(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2), backend)
+            LionStep(rule=Lion(beta1=beta1, beta2=beta2), grad_scale=grad_scale, found_inf=found_inf), backend)
 
 
-def adamw_step_planned(plan: ops.StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
+def adamw_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, step: torch.Tensor,
                        beta1: float, beta2: float, eps: float, found_inf: Optional[torch.Tensor] = None,
                        stochastic_rounding: bool = False, backend: ops.Backend = "auto") -> None:
-    ops.update(plan, AdamWStep(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=beta1, beta2=beta2,
-                               eps=eps, stochastic_rounding=stochastic_rounding), lr_wd=lr_wd, backend=backend)
+    ops.update(plan, AdamWStep(rule=AdamW(beta1=beta1, beta2=beta2, eps=eps, stochastic_rounding=stochastic_rounding),
+                               grad_scale=grad_scale, found_inf=found_inf, step=step), lr_wd=lr_wd, backend=backend)
 
 
-def sgd_step_planned(plan: ops.StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, momentum: float,
+def sgd_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, momentum: float,
                      nesterov: bool = False, found_inf: Optional[torch.Tensor] = None,
                      backend: ops.Backend = "auto") -> None:
-    ops.update(plan, SGDStep(grad_scale=grad_scale, found_inf=found_inf, momentum=momentum, nesterov=nesterov),
+    ops.update(plan, SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf),
                lr_wd=lr_wd, backend=backend)
 
 
-def lion_step_planned(plan: ops.StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, beta1: float,
+def lion_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, beta1: float,
                       beta2: float, found_inf: Optional[torch.Tensor] = None, backend: ops.Backend = "auto") -> None:
-    ops.update(plan, LionStep(grad_scale=grad_scale, found_inf=found_inf, beta1=beta1, beta2=beta2), lr_wd=lr_wd,
-               backend=backend)
+    ops.update(plan, LionStep(rule=Lion(beta1=beta1, beta2=beta2), grad_scale=grad_scale, found_inf=found_inf),
+               lr_wd=lr_wd, backend=backend)

@@ -98,14 +98,16 @@ def test_plan_rejects_mixed_dtypes_and_overlaps():
 
 def test_lr_table_is_updated_in_place_only_on_change(monkeypatch):
     hp = ops.DeviceHyperparams(3, torch.device("cpu"))
-    table = hp.update([1e-3, 2e-3, 3e-3], [0.1, 0.0, 0.1])
+    staged = hp.update([1e-3, 2e-3, 3e-3], [0.1, 0.0, 0.1])
+    table = staged.table
     assert torch.equal(table, torch.tensor([[1e-3, 0.1], [2e-3, 0.0], [3e-3, 0.1]], dtype=torch.float64))
     copies = []
     real_copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: (copies.append(1), real_copy(self, *a, **k))[1])
-    assert hp.update([1e-3, 2e-3, 3e-3], [0.1, 0.0, 0.1]) is table and not copies
-    assert hp.update([5e-4, 2e-3, 3e-3], [0.1, 0.0, 0.1]) is table and len(copies) == 1
-    assert table[0, 0].item() == 5e-4
+    assert hp.update([1e-3, 2e-3, 3e-3], [0.1, 0.0, 0.1]) is staged and not copies
+    changed = hp.update([5e-4, 2e-3, 3e-3], [0.1, 0.0, 0.1])
+    assert changed.table is table and len(copies) == 1  # the same tensor, updated in place (graphs replay it)
+    assert table[0, 0].item() == 5e-4 and list(changed.host.lr) == [5e-4, 2e-3, 3e-3]
     with pytest.raises(ValueError, match="param groups"):
         hp.update([1.0], [0.0])
 

@@ -51,8 +51,8 @@ def test_muon_flags_take_megatron_lm_defaults_and_reach_the_config():
 
 @pytest.mark.parametrize("flags, message", [
     (["--muon-scalar-optimizer", "lion"], "--muon-scalar-optimizer lion"),
-    (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec 'low'"),
-    (["--muon-momentum", "1.5"], "--muon-momentum 1.5"),
+    (["--muon-fp32-matmul-prec", "low"], "--muon-fp32-matmul-prec='low' is not one of"),  # the rule's declaration
+    (["--muon-momentum", "1.5"], "--muon-momentum=1.5 is out of range"),
     (["--muon-coefficient-type", "aol"], "--muon-coefficient-type 'aol'"),
 ])
 def test_what_megatron_opt_lacks_is_refused_by_flag(capsys, flags, message):

@@ -19,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import megatron_opt as mo
 from megatron_opt.config_conversion import as_ddp_config, as_optimizer_config
+from megatron_opt.optimizer.rules.registry import update_rule_from_config
 from tests.support.common import TinyLM
 
 
@@ -55,7 +56,11 @@ def test_megatron_core_configs_convert_field_by_field():
 ])
 def test_unsupported_megatron_core_values_are_named(make, field):
     config = make()
-    convert = as_ddp_config if isinstance(config, CoreDDPConfig) else as_optimizer_config
+    if isinstance(config, CoreDDPConfig):
+        convert = as_ddp_config
+    else:  # what depends on the update rule is checked where the rule is built (issue 38)
+        def convert(c):
+            return update_rule_from_config(as_optimizer_config(c))
     with pytest.raises(mo.UnsupportedConfigError, match=field):
         convert(config)
 
@@ -233,7 +238,7 @@ def test_megatron_lm_timers_time_the_optimizer_phases():
     step's two passes (and the param all-gather) accumulate time under megatron-core's names; at level 0
     they are megatron-core's dummy timers."""
     from megatron.core.timers import Timers
-    from megatron_opt.optimizer import phase_timers as pt
+    from megatron_opt.optimizer.step import phase_timers as pt
 
     for level in (1, 0):
         timers = Timers(level, "minmax")

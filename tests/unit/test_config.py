@@ -17,6 +17,7 @@ from megatron_opt.config import (
     config_fields,
 )
 from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
+from megatron_opt.optimizer.rules.registry import update_rule_from_config
 from tests.support.megatron_config_spec import DDP_FIELDS_SET_BY_NAME, OPTIMIZER_FIELDS_SET_BY_NAME, field_default
 
 LR = 1e-3
@@ -179,8 +180,10 @@ def test_fp16_and_bf16_raises():
 
 @pytest.mark.parametrize("name", ["adaptive_muon", "Adam", "lamb", ""])
 def test_unsupported_optimizer_raises(name):
+    """Where the rule is built (the config knows no rule: issue 38)."""
+    config = OptimizerConfig(lr=LR, optimizer=name)
     with pytest.raises(UnsupportedConfigError) as ei:
-        OptimizerConfig(lr=LR, optimizer=name)
+        update_rule_from_config(config)
     assert "optimizer" in str(ei.value)
     assert repr(name) in str(ei.value)
 

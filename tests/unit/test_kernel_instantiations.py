@@ -3,9 +3,10 @@
 * the moment-dtype pairs the precision-aware pass-2 kernels are compiled for are stated once in Python
   (``megatron_opt.ops.precision.KERNEL_MOMENT_PAIRS``, read by the config check and AdamW's op), and
   csrc/pass2.cuh instantiates exactly those;
-* each rule's kernel file registers itself under its op's name (csrc/rules/), and no shared file
-  (the bindings, launch.h, pass2.cuh, the registry) names a rule: adding a rule touches its Python
-  file, its kernel file and the registry only."""
+* each rule's kernel file registers itself under its op's name (csrc/rules/), the ops registered are
+  exactly those of the rules the registry finds that have a kernel (``kernel_op_set``, derived from the
+  rules' declarations), and no shared file (the bindings, launch.h, pass2.cuh) names a rule: adding a rule
+  touches its Python file, its kernel file and its test only."""
 from __future__ import annotations
 
 import re
@@ -14,8 +15,7 @@ from pathlib import Path
 import torch
 
 from megatron_opt.ops.precision import KERNEL_MOMENT_PAIRS, STATE_DTYPES
-from megatron_opt.optimizer.rules import AdamWStep, LionStep, SGDStep
-from megatron_opt.optimizer.rules.registry import UPDATE_RULES
+from megatron_opt.optimizer.rules.registry import RULES
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 PASS2 = CSRC / "pass2.cuh"
@@ -57,6 +57,17 @@ def test_the_table_holds_distinct_pairs_of_state_dtypes():
     assert all(a in STATE_DTYPES and b in STATE_DTYPES for a, b in KERNEL_MOMENT_PAIRS)
 
 
+def kernel_op_set() -> set[str]:
+    """The ops with a compiled kernel, from the rules' declarations: the op record of every registered rule
+    whose record has a kernel."""
+    return {rule.op_record.op for rule in RULES if rule.op_record is not None and has_kernel(rule.op_record)}
+
+
+def has_kernel(record: type) -> bool:
+    """An op record declares the rule constants its kernel reads (``kernel_constants``; None: no kernel)."""
+    return record.kernel_constants is not None
+
+
 def _registered_in(path: Path) -> list:
     return re.findall(REGISTRATION, path.read_text())
 
@@ -64,13 +75,13 @@ def _registered_in(path: Path) -> list:
 def test_each_rule_kernel_file_registers_its_op():
     registered = {path.name: _registered_in(path) for path in sorted((CSRC / "rules").glob("*.cu"))}
     names = [n for found in registered.values() for n in found]
-    assert sorted(names) == sorted({AdamWStep.op, SGDStep.op, LionStep.op}), registered
+    assert sorted(names) == sorted(kernel_op_set()), registered
     assert len(set(names)) == len(names), "an op registered twice"
-    assert {"adam", "sgd", "lion"} <= set(UPDATE_RULES)
+    assert {"adamw_step", "sgd_step", "lion_step"} <= kernel_op_set()  # the derivation finds the built-in kernels
 
 
 def test_no_shared_file_names_a_rule():
-    ops = (AdamWStep.op, SGDStep.op, LionStep.op)
+    ops = sorted(kernel_op_set())
     shared = [p for p in sorted(CSRC.glob("*")) if p.is_file()]
     assert shared and not any(_registered_in(p) for p in shared)
     offenders = [f"{p.name} names {op}" for p in shared for op in ops if op in p.read_text()]

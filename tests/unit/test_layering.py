@@ -68,3 +68,61 @@ def test_only_the_application_parts_that_need_megatron_core_import_it():
     offenders = [f"{path} imports {name}" for path, names in _application_imports().items() if path not in allowed
                  for name in names if name == "megatron" or name.startswith("megatron.")]
     assert not offenders, offenders
+
+
+# docs/design.md "Layers", bottom first: a module imports only from its own component or a lower layer
+# (issue 38, item 1). A component is a top-level module or folder of megatron_opt.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    {"errors", "_C"},  # _C: the compiled extension (csrc/)
+    {"ops"},
+    {"config", "core_config_fields"},
+    {"config_conversion", "collectives"},
+    {"distributed"},
+    {"optimizer"},
+    {"scheduler", "training", "checkpoint"},
+    {"megatron"},
+))
+PACKAGE_FRONT = {"__init__", "old_module_paths"}  # the package's own front, above every layer
+
+
+def _component(path: Path) -> str:
+    rel = path.relative_to(PACKAGE)
+    return rel.parts[0].removesuffix(".py")
+
+
+def _rank(component: str) -> int:
+    return next(i for i, layer in enumerate(LAYERS) if component in layer)
+
+
+def upward_imports() -> list[str]:
+    """Every import of a megatron_opt module from a component in the same or a higher layer (another
+    component of it)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = _component(path)
+        if source in PACKAGE_FRONT:
+            continue
+        for name in _imported_modules(path):
+            parts = name.split(".")
+            if parts[0] != "megatron_opt" or len(parts) < 2 or parts[1] == source:
+                continue
+            if _rank(parts[1]) >= _rank(source):
+                found.append(f"{path.relative_to(PACKAGE)} imports {name}")
+    return found
+
+
+def test_every_component_is_in_a_layer():
+    components = {_component(p) for p in PACKAGE.rglob("*.py")} - PACKAGE_FRONT
+    assert components <= set().union(*LAYERS), sorted(components - set().union(*LAYERS))
+
+
+def test_config_imports_nothing_from_the_optimizer():
+    """Importing OptimizerConfig loads no rule, no ops backend: what depends on the rule is checked where
+    rules are built (optimizer/rules/registry.py)."""
+    offenders = [n for n in _imported_modules(PACKAGE / "config.py")
+                 if n == "megatron_opt.optimizer" or n.startswith("megatron_opt.optimizer.")]
+    assert not offenders, offenders
+
+
+def test_each_import_points_down_the_layers():
+    assert not upward_imports(), "\n".join(upward_imports())

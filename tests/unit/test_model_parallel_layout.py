@@ -198,7 +198,7 @@ def test_coordinates_by_hand():
 
 # ------------------------------------------------------------------------------------------------ the rule itself
 def test_counts_in_norm_keeps_its_tp1_behaviour():
-    """optimizer/shard_store.py's call shape: unchanged for every attribute combination at TP rank 0 and 1."""
+    """optimizer/state/shard_store.py's call shape: unchanged for every attribute combination at TP rank 0 and 1."""
     for shared in (None, False, True):
         for tmp in (None, False, True):
             for allreduce in (None, True, False):

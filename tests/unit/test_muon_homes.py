@@ -1,11 +1,11 @@
-"""Home ranks for Muon matrices (megatron_opt.optimizer.muon_homes): hand-checkable placements."""
+"""Home ranks for Muon matrices (megatron_opt.optimizer.whole_tensor.homes): hand-checkable placements."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from megatron_opt.optimizer.muon_homes import (
+from megatron_opt.optimizer.whole_tensor.homes import (
     MatrixPlacement,
     assign_homes,
     newton_schulz_cost,

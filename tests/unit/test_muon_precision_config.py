@@ -7,6 +7,7 @@ import torch
 
 import megatron_opt as mo
 from megatron_opt.optimizer.rules.muon import Muon
+from megatron_opt.optimizer.rules.registry import update_rule_from_config
 
 
 def _cfg(**kw):
@@ -27,6 +28,7 @@ def test_precision_aware_muon_keeps_a_bf16_momentum_buffer():
     (dict(exp_avg_dtype=torch.bfloat16, stochastic_rounding=True), "stochastic_rounding", "leave it False"),
 ])
 def test_precision_aware_muon_refuses_what_is_not_implemented(extra, named, fix):
+    config = _cfg(use_precision_aware_optimizer=True, **extra)
     with pytest.raises(mo.UnsupportedConfigError, match=named) as info:
-        _cfg(use_precision_aware_optimizer=True, **extra)
+        update_rule_from_config(config)  # where the rule is built
     assert fix in str(info.value)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_opt.optimizer.sharded_state_dict import regrouped_scalar_state, scalar_state_from
+from megatron_opt.optimizer.state.torch_dist import regrouped_scalar_state, scalar_state_from
 
 
 class _Leaves:

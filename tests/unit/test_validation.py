@@ -1,5 +1,6 @@
 """Range validation, as torch.optim does it: OptimizerConfig / DistributedDataParallelConfig at
-construction, and the optimizer's param groups (check_param_groups) once per step.
+construction, a rule's declared constants where the rule is built (update_rule_from_config), and the
+optimizer's param groups (check_param_groups) once per step.
 
 Every bad value must raise InvalidConfigError naming the field and the value; the valid boundary
 values must be accepted.
@@ -11,9 +12,11 @@ import math
 import pytest
 import torch
 
+import megatron_opt as mo
 from megatron_opt.config import DistributedDataParallelConfig, OptimizerConfig, config_fields
 from megatron_opt.errors import InvalidConfigError, UnsupportedConfigError
-from megatron_opt.optimizer.hyperparams import check_param_groups
+from megatron_opt.optimizer.rules.registry import update_rule_from_config
+from megatron_opt.optimizer.step.param_group_checks import check_param_groups
 
 LR = 1e-3
 NAN = math.nan
@@ -37,25 +40,6 @@ OPT_INVALID = [
     ("weight_decay", -0.1, {}),
     ("weight_decay", NAN, {}),
     ("weight_decay", INF, {}),
-    ("adam_beta1", 1.5, {}),
-    ("adam_beta1", 1.0, {}),
-    ("adam_beta1", -0.1, {}),
-    ("adam_beta1", NAN, {}),
-    ("adam_beta2", 1.0, {}),
-    ("adam_beta2", -0.5, {}),
-    ("adam_beta2", NAN, {}),
-    ("adam_eps", -1e-8, {}),
-    ("adam_eps", NAN, {}),
-    ("adam_eps", INF, {}),
-    ("sgd_momentum", 1.0, {}),
-    ("sgd_momentum", -0.1, {}),
-    ("sgd_momentum", NAN, {}),
-    ("lion_beta1", 1.01, {}),
-    ("lion_beta1", -0.1, {}),
-    ("lion_beta1", NAN, {}),
-    ("lion_beta2", 1.5, {}),
-    ("lion_beta2", -1.0, {}),
-    ("lion_beta2", NAN, {}),
     ("clip_grad", -1.0, {}),
     ("clip_grad", NAN, {}),
     ("grad_norm_skip_threshold", -1.0, {}),
@@ -98,16 +82,6 @@ OPT_VALID = [
     ("decoupled_min_lr", 1e-4, {"decoupled_lr": 1e-4}),
     ("decoupled_min_lr", 1e-2, {}),  # no decoupled_lr: no upper bound
     ("weight_decay", 0.0, {}),
-    ("adam_beta1", 0.0, {}),
-    ("adam_beta1", 0.999999, {}),
-    ("adam_beta2", 0.0, {}),
-    ("adam_beta2", 0.999999, {}),
-    ("adam_eps", 0.0, {}),
-    ("sgd_momentum", 0.0, {"optimizer": "sgd"}),
-    ("lion_beta1", 0.0, {"optimizer": "lion"}),
-    ("lion_beta1", 1.0, {"optimizer": "lion"}),
-    ("lion_beta2", 0.0, {"optimizer": "lion"}),
-    ("lion_beta2", 1.0, {"optimizer": "lion"}),
     ("clip_grad", 0.0, {}),  # off
     ("clip_grad", INF, {}),  # never clips
     ("grad_norm_skip_threshold", 0.0, {}),
@@ -123,6 +97,28 @@ OPT_VALID = [
     ("hysteresis", 2.0, {}),
     ("optimizer_offload_fraction", 0.0, {}),
 ]
+
+
+# A rule's constants are checked where the rule is built (update_rule_from_config), against its declaration:
+# the config knows no rule (issue 38). (field, bad value, extra kwargs), as above.
+RULE_INVALID = [(f, v, {"optimizer": opt}) for opt, cases in (
+    ("adam", [("adam_beta1", 1.5), ("adam_beta1", 1.0), ("adam_beta1", -0.1), ("adam_beta1", NAN),
+              ("adam_beta2", 1.0), ("adam_beta2", -0.5), ("adam_beta2", NAN),
+              ("adam_eps", -1e-8), ("adam_eps", NAN), ("adam_eps", INF)]),
+    ("sgd", [("sgd_momentum", 1.0), ("sgd_momentum", -0.1), ("sgd_momentum", NAN)]),
+    ("lion", [("lion_beta1", 1.01), ("lion_beta1", -0.1), ("lion_beta1", NAN),
+              ("lion_beta2", 1.5), ("lion_beta2", -1.0), ("lion_beta2", NAN)]),
+    ("muon", [("muon_momentum", 1.0), ("muon_momentum", -0.5), ("muon_num_ns_steps", 0),
+              ("muon_num_ns_steps", 2.5)]),
+) for f, v in cases]
+
+RULE_VALID = [(f, v, {"optimizer": opt}) for opt, cases in (
+    ("adam", [("adam_beta1", 0.0), ("adam_beta1", 0.999999), ("adam_beta2", 0.0), ("adam_beta2", 0.999999),
+              ("adam_eps", 0.0)]),
+    ("sgd", [("sgd_momentum", 0.0)]),
+    ("lion", [("lion_beta1", 0.0), ("lion_beta1", 1.0), ("lion_beta2", 0.0), ("lion_beta2", 1.0)]),
+    ("muon", [("muon_momentum", 0.0), ("muon_num_ns_steps", 1)]),
+) for f, v in cases]
 
 
 def _id(case):
@@ -145,9 +141,30 @@ def test_optimizer_config_boundary_value_accepted(name, value, extra):
     assert getattr(config, name) == value
 
 
+@pytest.mark.parametrize("name, value, extra", RULE_INVALID, ids=[_id(c) for c in RULE_INVALID])
+def test_rule_constant_invalid_value_raises_where_the_rule_is_built(name, value, extra):
+    config = OptimizerConfig(**{"lr": LR, **extra, name: value})  # the config knows no rule
+    with pytest.raises(InvalidConfigError) as ei:
+        update_rule_from_config(config)
+    msg = str(ei.value)
+    assert f"OptimizerConfig.{name}={value!r}" in msg, msg
+    assert "must be" in msg and ("[" in msg or "(" in msg), msg
+
+
+@pytest.mark.parametrize("name, value, extra", RULE_VALID, ids=[_id(c) for c in RULE_VALID])
+def test_rule_constant_boundary_value_accepted(name, value, extra):
+    rule = update_rule_from_config(OptimizerConfig(**{"lr": LR, **extra, name: value}))
+    assert value in rule.hyperparameters().values()
+
+
+def test_a_rule_built_directly_checks_its_constants_too():
+    with pytest.raises(InvalidConfigError, match=r"AdamW.beta2=1.0 is out of range: it must be in \[0, 1\)"):
+        mo.AdamW(beta2=1.0)
+
+
 def test_message_format_matches_torch_style():
     with pytest.raises(InvalidConfigError) as ei:
-        OptimizerConfig(lr=LR, adam_beta2=1.0)
+        update_rule_from_config(OptimizerConfig(lr=LR, adam_beta2=1.0))
     assert str(ei.value).startswith("OptimizerConfig.adam_beta2=1.0 is out of range: it must be in [0, 1)")
     with pytest.raises(InvalidConfigError, match=r"min_lr=0\.1 is out of range: it must be in \[0, lr=0\.001\]"):
         OptimizerConfig(lr=LR, min_lr=0.1)
@@ -166,8 +183,8 @@ def test_lr_as_one_element_tensor_is_checked():
 
 def test_invalid_reported_before_unsupported():
     # An out-of-range value is a bug in the caller even where the field is also unsupported.
-    with pytest.raises(InvalidConfigError, match="adam_beta2"):
-        OptimizerConfig(lr=LR, adam_beta2=2.0, optimizer_cpu_offload=True)
+    with pytest.raises(InvalidConfigError, match="clip_grad"):
+        OptimizerConfig(lr=LR, clip_grad=-2.0, optimizer_cpu_offload=True)
     with pytest.raises(UnsupportedConfigError, match="optimizer_cpu_offload"):
         OptimizerConfig(lr=LR, optimizer_cpu_offload=True)
     # An inert field (the offload fraction without offload) is still range-checked.

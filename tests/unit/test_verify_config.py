@@ -11,11 +11,11 @@ import megatron_opt as mo
 import megatron_opt.errors
 from megatron_opt import ops
 from megatron_opt.ops.piece_table import full_table
-from megatron_opt.optimizer import float64_update as f64
-from megatron_opt.optimizer.float64_update import Float64Inputs
+from megatron_opt.optimizer.verify import float64_update as f64
+from megatron_opt.optimizer.verify.float64_update import Float64Inputs
 from megatron_opt.optimizer.rules import sgd as sgd_rule
-from megatron_opt.optimizer.replica_check import Checksums
-from megatron_opt.optimizer.verify import recompute_of
+from megatron_opt.optimizer.verify.replica_check import Checksums
+from megatron_opt.optimizer.verify.step_verifier import recompute_of
 from tests.support.common import ReferenceLion
 
 

@@ -10,7 +10,8 @@ import argparse
 from typing import Any, Callable, Mapping, Optional
 
 from ...config import VERIFY_ACTIONS
-from ...optimizer.rules.registry import OPTIMIZER_NAMES
+from ...optimizer.rules.base import SAME_AS_CONFIG, Constant
+from ...optimizer.rules.registry import OPTIMIZER_NAMES, RULES
 from ...scheduler import LR_DECAY_STYLES, WD_INCR_STYLES, WSD_DECAY_STYLES
 from ...training import LOSS_MODES
 
@@ -62,8 +63,9 @@ class _Group:
         self.dests.add(dest)
         return [flag, *spellings, *([self.aliases[dest]] if dest in self.aliases else [])], dest
 
-    def value(self, flag: str, type: Callable[[str], Any], default: Any = None, **kwargs: Any) -> None:
-        names, dest = self._names(flag, None)
+    def value(self, flag: str, type: Callable[[str], Any], default: Any = None, dest: Optional[str] = None,
+              **kwargs: Any) -> None:
+        names, dest = self._names(flag, dest)
         default = self.defaults.get(dest, default)
         if dest in CONDITIONAL_DEFAULT_FLAGS:
             default = ConditionalDefault(default)
@@ -121,12 +123,7 @@ def _add_optimizer_args(g: _Group) -> None:
     g.value("--decoupled-min-lr", float)
     g.value("--weight-decay", float, 0.01)
     g.value("--clip-grad", float, 1.0, help="0 turns clipping off")
-    g.value("--adam-beta1", float, 0.9)
-    g.value("--adam-beta2", float, 0.999)
-    g.value("--adam-eps", float, 1e-8)
-    g.value("--sgd-momentum", float, 0.9)
-    g.value("--lion-beta1", float, 0.95)
-    g.value("--lion-beta2", float, 0.98)
+    _add_rule_constant_args(g)
     _add_muon_args(g)
     g.switch("--use-precision-aware-optimizer",
              help="Megatron-LM's precision-aware optimizer: the dtypes below, and bf16 params' masters kept as the "
@@ -150,24 +147,44 @@ def _add_optimizer_args(g: _Group) -> None:
             help="megatron_opt's own: on a failed verification raise VerificationError on every rank, or warn")
 
 
+def _add_rule_constant_args(g: _Group) -> None:
+    """One flag per declared constant of every update rule (optimizer/rules/<rule>.py, ``constant(...)``),
+    rules in registry order: ``--`` and the config field with dashes (``--adam-beta1``), or the declared
+    ``flag``; the declared flag default (Megatron-LM's, where it differs from the config's); a bool is a
+    switch to the other value. Nothing here names a rule."""
+    for flag, dest, default, declared in rule_constant_flags():
+        # The values are checked by the rule's declaration (validation.py builds the rule), not by argparse,
+        # so a refused value gets the declaration's message.
+        what = " / ".join(str(c) for c in declared.choices)
+        help_text = "; ".join(t for t in (declared.help, what) if t) or None
+        if isinstance(default, bool):
+            g.switch(flag, dest=dest, store=not default, help=help_text)
+        else:
+            g.value(flag, type(default), default, dest=dest, help=help_text)
+
+
+def rule_constant_flags() -> list[tuple[str, str, Any, Constant]]:
+    """(flag, destination = config field, flag default, declaration) of every rule constant with a config
+    field, once each, in registry order."""
+    out, seen = [], set()
+    for rule in RULES:
+        defaults = rule.constant_defaults()
+        for name, declared in rule.constants().items():
+            field = declared.config_field
+            if field is None or field in seen:
+                continue
+            seen.add(field)
+            default = defaults[name] if declared.flag_default is SAME_AS_CONFIG else declared.flag_default
+            flag = declared.flag or ("--" + field.replace("_", "-"))
+            out.append((flag, field, default, declared))
+    return out
+
+
 def _add_muon_args(g: _Group) -> None:
-    """Megatron-LM main's --muon-* flags, with its defaults (which differ from megatron-core's config
-    defaults: --muon-momentum 0.9, not 0.95; --muon-tp-mode duplicated, not blockwise)."""
-    g.value("--muon-momentum", float, 0.9, help="Muon's momentum (Megatron-LM's default 0.9; megatron-core's "
-                                               "OptimizerConfig default is 0.95)")
-    g.switch("--muon-no-split-qkv", dest="muon_split_qkv", store=False,
-             help="orthogonalize the fused QKV weight as one matrix (default: Q, K and V each)")
-    g.switch("--muon-nesterov", help="Nesterov momentum")
-    g.value("--muon-scale-mode", str, "spectral", choices=("spectral", "unit_rms_norm", "shape_scaling"))
-    g.value("--muon-fp32-matmul-prec", str, "medium", choices=("low", "medium", "high"),
-            help="Newton-Schulz matmul precision: medium = bf16, high = TF32 on CUDA (fp32 on the CPU); 'low' is "
-                 "refused by megatron_opt")
+    """Megatron-LM main's --muon-* flags that are not Muon's constants (those come from its declaration,
+    with Megatron-LM's defaults: --muon-momentum 0.9, --muon-tp-mode duplicated)."""
     g.value("--muon-coefficient-type", str, "quintic", help="Newton-Schulz coefficients (megatron_opt: quintic)")
-    g.value("--muon-num-ns-steps", int, 5)
-    g.value("--muon-tp-mode", str, "duplicated", choices=("blockwise", "duplicated", "distributed"),
-            help="Newton-Schulz of tensor-parallel weights (no effect at tensor-parallel size 1)")
     g.switch("--muon-use-syrk", help="a Triton kernel of megatron-core's; accepted, no effect on the result")
-    g.value("--muon-extra-scale-factor", float, 1.0)
     g.value("--muon-scalar-optimizer", str, "adam", choices=("adam", "lion"),
             help="the optimizer of the params Muon does not take (megatron_opt: adam, i.e. AdamW)")
 

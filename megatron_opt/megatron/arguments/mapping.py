@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -11,6 +12,7 @@ import torch
 from ...config import DistributedDataParallelConfig, OptimizerConfig
 from ...errors import UnsupportedConfigError
 from ...scheduler import HasParamGroups, OptimizerParamScheduler
+from .flags import rule_constant_flags
 
 # The dtype flags' values (--main-params-dtype, --exp-avg-dtype, --exp-avg-sq-dtype).
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
@@ -50,8 +52,6 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         loss_scale=args.loss_scale if (args.fp16 or args.bf16) else None,
         initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, lion_beta1=args.lion_beta1, lion_beta2=args.lion_beta2,
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather, clip_grad=args.clip_grad,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
@@ -60,13 +60,20 @@ def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
         exp_avg_sq_dtype=DTYPES[args.exp_avg_sq_dtype], store_param_remainders=args.store_param_remainders,
         stochastic_rounding=args.stochastic_rounding,
         verify_interval=args.verify_interval, verify_action=args.verify_action,
-        # Megatron-LM's --muon-* flags (read only with --optimizer muon), with the flags' values: Megatron-LM's
-        # defaults, not megatron-core's config defaults (--muon-momentum 0.9, --muon-tp-mode duplicated).
-        muon_momentum=args.muon_momentum, muon_split_qkv=args.muon_split_qkv, muon_nesterov=args.muon_nesterov,
-        muon_scale_mode=args.muon_scale_mode, muon_fp32_matmul_prec=args.muon_fp32_matmul_prec,
-        muon_coefficient_type=args.muon_coefficient_type, muon_num_ns_steps=args.muon_num_ns_steps,
-        muon_tp_mode=args.muon_tp_mode, muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_coefficient_type=args.muon_coefficient_type,
+        # Every update rule's declared constants, with the flags' values (Megatron-LM's defaults where they
+        # differ from megatron-core's config defaults: --muon-momentum 0.9, --muon-tp-mode duplicated).
+        **rule_constants_from_args(args),
     )
+
+
+def rule_constants_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """OptimizerConfig's keywords for every rule constant's flag: megatron-core's fields by name, the rules'
+    own constants in ``rule_constants``."""
+    ours = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    values = {dest: getattr(args, dest) for _, dest, _, _ in rule_constant_flags()}
+    own = {k: v for k, v in values.items() if k not in ours}
+    return {**{k: v for k, v in values.items() if k in ours}, **({"rule_constants": own} if own else {})}
 
 
 def scheduler_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,6 +9,8 @@ import re
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from ...optimizer.rules.muon import Muon
+from ...optimizer.rules.registry import update_rule_from_config
 from ...scheduler import OptimizerParamScheduler
 from .flags import FLAG_ALIASES, TYPED_FLAGS, ConditionalDefault
 from .mapping import ddp_config_from_args, optimizer_config_from_args, scheduler_kwargs_from_args
@@ -251,8 +253,8 @@ def _check_schedule(args: argparse.Namespace, name: FlagNames, sample_based: boo
 
 
 def _check_optimizer(args: argparse.Namespace, name: FlagNames, sample_based: bool) -> None:
-    if args.optimizer == "dist_muon":  # Megatron-LM main: deprecated spelling of muon + the sharded optimizer
-        args.optimizer, args.use_distributed_optimizer = "muon", True
+    if args.optimizer in Muon.aliases:  # Megatron-LM main: dist_muon, muon + the sharded optimizer (deprecated)
+        args.optimizer, args.use_distributed_optimizer = Muon.name, True
     if not (math.isfinite(args.min_loss_scale) and args.min_loss_scale > 0):
         raise MegatronArgumentError(f"--min-loss-scale must be a finite number > 0, got {args.min_loss_scale:g}")
     if not (math.isfinite(args.initial_loss_scale) and args.initial_loss_scale >= args.min_loss_scale):
@@ -301,7 +303,7 @@ def _check_configs(args: argparse.Namespace) -> None:
     before any process group; its messages name config fields, which become flags here."""
     try:
         ddp_config_from_args(args)
-        optimizer_config_from_args(args)
+        update_rule_from_config(optimizer_config_from_args(args))  # the rule's checks, as the factory runs them
         OptimizerParamScheduler(_NoParamGroups(), **scheduler_kwargs_from_args(args))
     except (ValueError, TypeError) as exc:
         raise MegatronArgumentError(_flag_names_in(str(exc))) from None

@@ -9,11 +9,12 @@ fp16 or an int16 remainder of the bf16 ``param_out``. Every element is widened t
 the same fp32 arithmetic, and rounded once on store (to nearest even, or stochastically for bf16
 moments with ``stochastic_rounding``). The kernel handles the moment pairs in
 ``precision.KERNEL_MOMENT_PAIRS``; for any other pair the CUDA backend runs the reference shard by
-shard on the same CUDA tensors (same results; it reads the lr table, ``found_inf`` and ``step`` on
-the host, so it syncs and cannot be captured in a CUDA graph).
+shard on the same CUDA tensors (same results; it reads ``found_inf`` and ``step`` on the host, so it
+syncs and cannot be captured in a CUDA graph).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -21,35 +22,33 @@ import torch
 
 from ... import ops
 from ...ops import precision
-from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
+from ...ops.op_args import KernelCall, LrWd, ShardOperands, UpdateArgs
 from ...ops.operand_checks import check_scalar
-from ...ops.precision import KERNEL_MOMENT_PAIRS, dtype_names
+from ...ops.precision import KERNEL_MOMENT_PAIRS
 from ...ops.step_plan import StepPlan
-from ..float64_update import FP32_SUBNORMAL, TERM_ROUNDING, UNDERFLOW, Float64Inputs, Float64Update
-from .base import UpdateRule
+from ..verify.float64_update import FP32_SUBNORMAL, TERM_ROUNDING, UNDERFLOW, Float64Inputs, Float64Update
+from .base import UpdateRule, constant
 
 _K, _C = TERM_ROUNDING, UNDERFLOW
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdamWStep(UpdateArgs):
-    """AdamW's pass 2; ``step`` is the 1-based index of this update (already advanced). Shard state:
-    (exp_avg, exp_avg_sq)."""
+    """AdamW's pass 2 (``rule``: the ``AdamW`` whose constants it reads); ``step`` is the 1-based index of
+    this update (already advanced). Shard state: (exp_avg, exp_avg_sq)."""
 
     op: ClassVar[str] = "adamw_step"
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg", "exp_avg_sq")
     precision_aware: ClassVar[bool] = True
+    kernel_constants: ClassVar[tuple[str, ...]] = ("beta1", "beta2", "eps")  # csrc/rules/adamw.cu's Args
+    rule: "AdamW"
     step: torch.Tensor
-    beta1: float
-    beta2: float
-    eps: float
-    stochastic_rounding: bool = False
 
     def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         """``param_out`` (model dtype) receives the rounded master; it is None when the master aliases an
         fp32 param."""
         master, param_out, exp_avg, exp_avg_sq = shard.master, shard.param_out, shard.state[0], shard.state[1]
-        lr, weight_decay, beta1, beta2, step = lr_wd.lr, lr_wd.weight_decay, self.beta1, self.beta2, self.step
+        lr, weight_decay, beta1, beta2, step = lr_wd.lr, lr_wd.weight_decay, self.rule.beta1, self.rule.beta2, self.step
         g = shard.grad[a:b].float() * self.grad_scale  # a new tensor: never scale the persistent grad buffer
         m, v = exp_avg[a:b].float(), exp_avg_sq[a:b].float()  # .float() of fp32 is the tensor itself
         w = precision.load_master(master[a:b], None if param_out is None else param_out[a:b])
@@ -58,7 +57,7 @@ class AdamWStep(UpdateArgs):
         t = step.double().reshape(())
         bias_correction1 = 1 - beta1**t
         bias_correction2_sqrt = (1 - beta2**t).sqrt()
-        update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(self.eps)
+        update = m / (v.sqrt() / bias_correction2_sqrt.float()).add_(self.rule.eps)
         for s, e, gid in shard.table.group_runs():
             w_run = w[s - a : e - a]
             decay = lr[gid] * weight_decay[gid]
@@ -83,8 +82,8 @@ class AdamWStep(UpdateArgs):
         for gid, runs in by_group.items():
             torch._fused_adamw_(
                 [w[s:e] for s, e in runs], [g[s:e] for s, e in runs], [m[s:e] for s, e in runs],
-                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr_wd.lr[gid]), beta1=self.beta1,
-                beta2=self.beta2, weight_decay=float(lr_wd.weight_decay[gid]), eps=self.eps, amsgrad=False,
+                [v[s:e] for s, e in runs], [], [step_f] * len(runs), lr=float(lr_wd.lr[gid]), beta1=self.rule.beta1,
+                beta2=self.rule.beta2, weight_decay=float(lr_wd.weight_decay[gid]), eps=self.rule.eps, amsgrad=False,
                 maximize=False,
             )
         self._store_moments(m, v, exp_avg, exp_avg_sq, a, b)
@@ -95,7 +94,7 @@ class AdamWStep(UpdateArgs):
         """Round 16-bit moments once on store (fp32 moments were updated in place)."""
         if exp_avg.dtype == torch.float32 and exp_avg_sq.dtype == torch.float32:
             return
-        sr = self.stochastic_rounding
+        sr = self.rule.stochastic_rounding
         index = torch.arange(a, b, device=m.device) if sr else None
         step_i = int(self.step.reshape(())) if sr else 0
         precision.store_state(m, exp_avg[a:b], stochastic=sr, index=index, step=step_i, slot=0)
@@ -108,16 +107,13 @@ class AdamWStep(UpdateArgs):
         super().check(plan)
         check_scalar(f"{self.op}: step", self.step, plan.device, torch.int64)
 
-    def cuda(self, plan: StepPlan, lr_wd: torch.Tensor) -> None:
-        if plan.state_dtypes in KERNEL_MOMENT_PAIRS:
-            ops.cuda_launch(plan, lr_wd, self, (self.beta1, self.beta2, self.eps), step=self.step,
-                            stochastic=self.stochastic_rounding)
-            return
-        if plan.device is not None and plan.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"adamw_step: no kernel for moment dtypes {list(plan.state_dtypes)} (the kernels take "
-                               f"{dtype_names(KERNEL_MOMENT_PAIRS)}); the reference fallback syncs with the host and "
-                               "cannot be captured in a CUDA graph")
-        super().cuda(plan, lr_wd)  # the reference per shard, same semantics
+    def kernel_call(self, plan: StepPlan) -> Optional[KernelCall]:
+        """The kernel takes the moment pairs of ``precision.KERNEL_MOMENT_PAIRS`` (and reads the update
+        counter and the rounding); other pairs run the reference on the CUDA tensors."""
+        if plan.state_dtypes not in KERNEL_MOMENT_PAIRS:
+            return None
+        return dataclasses.replace(super().kernel_call(plan), step=self.step,
+                                   stochastic=self.rule.stochastic_rounding)
 
 
 def recompute(inp: Float64Inputs, beta1: float, beta2: float, eps: float) -> Float64Update:
@@ -158,38 +154,43 @@ class AdamW(UpdateRule):
     nearest even or, with ``stochastic_rounding``, stochastically (bf16 moments only).
     """
 
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = constant(0.9, "adam_beta1", low=0, high=1)
+    beta2: float = constant(0.999, "adam_beta2", low=0, high=1,
+                            hint="adam_beta2=1 divides by zero in the bias correction")
+    eps: float = constant(1e-8, "adam_eps", low=0)
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
     stochastic_rounding: bool = False
     name: ClassVar[str] = "adam"
+    op_record: ClassVar[type] = AdamWStep
+    precision_aware: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for field_name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
             if getattr(self, field_name) not in ops.STATE_DTYPES:
                 raise ValueError(f"AdamW.{field_name}={getattr(self, field_name)}: use one of {ops.STATE_DTYPES}.")
 
     @classmethod
     def from_config(cls, config: Any) -> "AdamW":
-        return cls(beta1=config.adam_beta1, beta2=config.adam_beta2, eps=config.adam_eps,
-                   exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
+        cls.check_config(config)
+        return cls(**cls.constants_from(config), exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32),
                    exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32),
                    stochastic_rounding=getattr(config, "stochastic_rounding", False))
+
+    def torch_group_fields(self) -> dict[str, Any]:
+        """torch.optim.AdamW's param-group fields (megatron-core's inner optimizer)."""
+        return {"betas": (self.beta1, self.beta2), "eps": self.eps, "bias_correction": True, "amsgrad": False,
+                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                "decoupled_weight_decay": True}
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": self.exp_avg_dtype, "exp_avg_sq": self.exp_avg_sq_dtype}
 
-    def hyperparameters(self) -> dict[str, Any]:
-        out = super().hyperparameters()
-        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in out.items()}
-
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
-        ops.update(plan, AdamWStep(grad_scale=grad_scale, found_inf=found_inf, step=step, beta1=self.beta1,
-                                   beta2=self.beta2, eps=self.eps, stochastic_rounding=self.stochastic_rounding),
-                   lr_wd=lr_wd, backend=backend)
+        ops.update(plan, AdamWStep(rule=self, grad_scale=grad_scale, found_inf=found_inf, step=step), lr_wd=lr_wd,
+                   backend=backend)
 
     def float64_update(self, inputs: Float64Inputs) -> Float64Update:
         return recompute(inputs, self.beta1, self.beta2, self.eps)

@@ -8,15 +8,15 @@ recomputation (``recompute``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
-from ..float64_update import Float64Inputs, Float64Update, rounding_bound
-from .base import UpdateRule
+from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
+from .base import UpdateRule, constant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,21 +26,21 @@ class LionStep(UpdateArgs):
 
     op: ClassVar[str] = "lion_step"
     state_names: ClassVar[tuple[str, ...]] = ("exp_avg",)
-    beta1: float
-    beta2: float
+    kernel_constants: ClassVar[tuple[str, ...]] = ("beta1", "beta2")  # csrc/rules/lion.cu's Args
+    rule: "Lion"
 
     def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
         lr, weight_decay, param_out = lr_wd.lr, lr_wd.weight_decay, shard.param_out
         g = shard.grad[a:b].float() * self.grad_scale
         m, w = shard.state[0][a:b], shard.master[a:b]
-        direction = m.lerp(g, 1 - self.beta1).sign_()
+        direction = m.lerp(g, 1 - self.rule.beta1).sign_()
         for s, e, gid in shard.table.group_runs():
             w_run = w[s - a : e - a]
             decay = lr[gid] * weight_decay[gid]
             if decay != 0:
                 w_run.mul_(1 - decay)
             w_run.sub_(direction[s - a : e - a], alpha=lr[gid])
-        m.lerp_(g, 1 - self.beta2)
+        m.lerp_(g, 1 - self.rule.beta2)
         if param_out is not None:
             param_out[a:b].copy_(w)
 
@@ -49,9 +49,6 @@ class LionStep(UpdateArgs):
             raise ValueError(f"lion_step: a plan for Lion holds one state per shard (exp_avg), this one has "
                              f"{len(plan.state_dtypes)}")
         super().check(plan)
-
-    def cuda(self, plan: StepPlan, lr_wd: torch.Tensor) -> None:
-        ops.cuda_launch(plan, lr_wd, self, (self.beta1, self.beta2))
 
 
 def recompute(inp: Float64Inputs, beta1: float, beta2: float) -> Float64Update:
@@ -70,21 +67,18 @@ def recompute(inp: Float64Inputs, beta1: float, beta2: float) -> Float64Update:
 class Lion(UpdateRule):
     """Lion (Chen et al., 2023): the sign of an interpolated momentum, decoupled weight decay."""
 
-    beta1: float = 0.95
-    beta2: float = 0.98
+    # megatron-core 0.19's names and defaults (Megatron-LM's --lion-beta1 / --lion-beta2)
+    beta1: float = constant(0.95, "lion_beta1", low=0, high=1, high_open=False)  # the interpolation for the sign
+    beta2: float = constant(0.98, "lion_beta2", low=0, high=1, high_open=False)  # the momentum decay
     name: ClassVar[str] = "lion"
-
-    @classmethod
-    def from_config(cls, config: Any) -> "Lion":
-        return cls(beta1=config.lion_beta1, beta2=config.lion_beta2)
+    op_record: ClassVar[type] = LionStep
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}
 
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
-        ops.update(plan, LionStep(grad_scale=grad_scale, found_inf=found_inf, beta1=self.beta1, beta2=self.beta2),
-                   lr_wd=lr_wd, backend=backend)
+        ops.update(plan, LionStep(rule=self, grad_scale=grad_scale, found_inf=found_inf), lr_wd=lr_wd, backend=backend)
 
     def float64_update(self, inputs: Float64Inputs) -> Float64Update:
         return recompute(inputs, self.beta1, self.beta2)

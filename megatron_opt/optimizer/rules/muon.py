@@ -1,6 +1,6 @@
 """Muon: megatron-core's ``optimizer='muon'`` (emerging-optimizers' orthogonalized optimizer as
 megatron-core configures it; docs/muon.md). A whole-tensor rule: its update of a matrix reads the
-whole matrix, so the step runs it in three parts (optimizer/whole_tensor_leaf.py):
+whole matrix, so the step runs it in three parts (optimizer/whole_tensor/leaf.py):
 
 1. elementwise, on the owned ranges:   g = grad * grad_scale
                                        B = beta*B + (1-beta)*g              (``momentum_buffer``, fp32)
@@ -17,7 +17,7 @@ scale: spectral sqrt(max(m, n)); unit_rms_norm sqrt(m/n); shape_scaling sqrt(max
 
 Under tensor parallelism (``tp_mode``): ``blockwise`` runs part 2 on the TP-local block (pieces and
 scale from the local shape); ``duplicated`` and ``distributed`` orthogonalise the full matrix of each
-piece across the TP ranks (scale from the full shape): optimizer/tensor_parallel_newton_schulz.py.
+piece across the TP ranks (scale from the full shape): optimizer/whole_tensor/tensor_parallel_newton_schulz.py.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ import torch
 from ... import ops
 from ...errors import InvalidConfigError, UnsupportedConfigError
 from ...ops.step_plan import StepPlan
-from ..float64_update import rounding_bound
-from .base import Needs, UpdateRule
+from ..verify.float64_update import rounding_bound
+from .base import CONFIG_OWNER, Needs, UpdateRule, constant
 
 # The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
 # emerging-optimizers' "quintic" table).
@@ -59,7 +59,7 @@ _SCALES = {  # (rows, cols) of the orthogonalised piece -> its scale
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
     if mode not in _SCALES:
-        raise InvalidConfigError(f"muon_scale_mode={mode!r}: use one of {SCALE_MODES}.")
+        raise InvalidConfigError(f"Muon.scale_mode={mode!r} is not one of {', '.join(repr(m) for m in SCALE_MODES)}.")
     return _SCALES[mode](rows, cols)
 
 
@@ -97,56 +97,69 @@ def newton_schulz_step(x: torch.Tensor, gram: torch.Tensor, a: float, b: float, 
 
 @dataclass(frozen=True)
 class Muon(UpdateRule):
-    """Muon's constants, with megatron-core's OptimizerConfig defaults (muon_* fields)."""
+    """Muon's constants, with megatron-core's OptimizerConfig defaults (muon_* fields); Megatron-LM's flags
+    default to --muon-momentum 0.9 and --muon-tp-mode duplicated."""
 
-    momentum: float = 0.95
-    nesterov: bool = False
-    num_ns_steps: int = 5
-    scale_mode: str = "spectral"
-    extra_scale_factor: float = 1.0
-    split_qkv: bool = True
-    fp32_matmul_prec: str = "medium"
-    tp_mode: str = "blockwise"
+    momentum: float = constant(0.95, "muon_momentum", low=0, high=1, flag_default=0.9,
+                               help="Muon's momentum (Megatron-LM's default 0.9; megatron-core's OptimizerConfig "
+                                    "default is 0.95)")
+    nesterov: bool = constant(False, "muon_nesterov", help="Nesterov momentum")
+    num_ns_steps: int = constant(5, "muon_num_ns_steps", low=1, integer=True)
+    scale_mode: str = constant("spectral", "muon_scale_mode", choices=SCALE_MODES)
+    extra_scale_factor: float = constant(1.0, "muon_extra_scale_factor")
+    split_qkv: bool = constant(True, "muon_split_qkv", flag="--muon-no-split-qkv",
+                               help="orthogonalize the fused QKV weight as one matrix (default: Q, K and V each)")
+    fp32_matmul_prec: str = constant("medium", "muon_fp32_matmul_prec", choices=MATMUL_PRECISIONS,
+                                     help="Newton-Schulz matmul precision: medium = bf16, high = TF32 on CUDA (fp32 on "
+                                          "the CPU), highest = fp32")
+    tp_mode: str = constant("blockwise", "muon_tp_mode", choices=TP_MODES, flag_default="duplicated",
+                            help="Newton-Schulz of tensor-parallel weights (no effect at tensor-parallel size 1)")
     # momentum_buffer's storage: fp32, or bf16 with the precision-aware optimizer (OptimizerConfig.exp_avg_dtype)
     momentum_dtype: torch.dtype = torch.float32
     name: ClassVar[str] = "muon"
+    aliases: ClassVar[tuple[str, ...]] = ("dist_muon",)  # Megatron-LM's synonym (its distributed Muon): the same rule
     needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise InvalidConfigError(f"muon_momentum={self.momentum}: must lie in [0, 1).")
-        if self.num_ns_steps < 1:
-            raise InvalidConfigError(f"muon_num_ns_steps={self.num_ns_steps}: must be at least 1.")
-        if self.scale_mode not in SCALE_MODES:
-            raise InvalidConfigError(f"muon_scale_mode={self.scale_mode!r}: use one of {SCALE_MODES}.")
-        if self.fp32_matmul_prec not in MATMUL_PRECISIONS:
-            raise InvalidConfigError(f"muon_fp32_matmul_prec={self.fp32_matmul_prec!r}: use one of "
-                                     f"{MATMUL_PRECISIONS}.")
-        if self.tp_mode not in TP_MODES:
-            raise InvalidConfigError(f"muon_tp_mode={self.tp_mode!r}: use one of {TP_MODES}.")
+    precision_aware: ClassVar[bool] = True  # exp_avg_dtype stores the momentum_buffer
 
     @classmethod
-    def from_config(cls, config: Any) -> "Muon":
+    def check_config(cls, config: Any) -> None:
+        """What Muon does not implement, refused by name: other Newton-Schulz coefficients, fp16, stochastic
+        rounding, and of the precision-aware optimizer an fp16 momentum or 16-bit masters."""
         if config.muon_coefficient_type != "quintic":
             raise UnsupportedConfigError(f"muon_coefficient_type={config.muon_coefficient_type!r}: only 'quintic' "
                                          f"is implemented.")
-        return cls(momentum=config.muon_momentum, nesterov=config.muon_nesterov, num_ns_steps=config.muon_num_ns_steps,
-                   scale_mode=config.muon_scale_mode, extra_scale_factor=config.muon_extra_scale_factor,
-                   split_qkv=config.muon_split_qkv, fp32_matmul_prec=config.muon_fp32_matmul_prec,
-                   tp_mode=config.muon_tp_mode,
+        for name, why in (("fp16", "megatron-core refuses fp16 with Muon too; use bf16"),
+                          ("stochastic_rounding", "Muon's momentum_buffer rounds to nearest (stochastic rounding "
+                                                  "is implemented for AdamW's moments only); leave it False")):
+            if getattr(config, name):
+                raise UnsupportedConfigError(f"{CONFIG_OWNER}.{name}=True with optimizer={config.optimizer!r}: {why}.")
+        # The precision-aware optimizer: exp_avg_dtype stores Muon's momentum_buffer (the first moment,
+        # the same EMA of the gradients as AdamW's exp_avg) and AdamW's exp_avg; exp_avg_sq_dtype and
+        # store_param_remainders apply to the AdamW params; Muon's masters stay fp32.
+        if config.exp_avg_dtype not in (torch.float32, torch.bfloat16):
+            raise UnsupportedConfigError(
+                f"{CONFIG_OWNER}.exp_avg_dtype={config.exp_avg_dtype} with optimizer={config.optimizer!r}: it stores "
+                f"Muon's momentum_buffer, implemented in torch.float32 or torch.bfloat16; use one of those.")
+        if config.main_params_dtype != torch.float32:
+            raise UnsupportedConfigError(
+                f"{CONFIG_OWNER}.main_params_dtype={config.main_params_dtype} with optimizer={config.optimizer!r}: "
+                f"Muon keeps fp32 masters (16-bit masters are implemented for AdamW only); leave main_params_dtype "
+                f"at torch.float32.")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "Muon":
+        cls.check_config(config)
+        return cls(**cls.constants_from(config),
                    momentum_dtype=(config.exp_avg_dtype if getattr(config, "use_precision_aware_optimizer", False)
                                    else torch.float32))
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": self.momentum_dtype}
 
-    def hyperparameters(self) -> dict[str, Any]:
-        return {k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in super().hyperparameters().items()}
-
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
         raise UnsupportedConfigError("Muon needs whole matrices: it runs through the whole-tensor leaf "
-                                     "(optimizer/whole_tensor_leaf.py), not as an elementwise pass 2.")
+                                     "(optimizer/whole_tensor/leaf.py), not as an elementwise pass 2.")
 
     # ----------------------------------------------------------------- part 1 and 3: elementwise on owned ranges
     def momentum_direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
-from ..float64_update import Float64Inputs, Float64Update, rounding_bound
-from .base import UpdateRule
+from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
+from .base import UpdateRule, constant
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,11 +22,11 @@ class SGDStep(UpdateArgs):
 
     op: ClassVar[str] = "sgd_step"
     state_names: ClassVar[tuple[str, ...]] = ("momentum_buffer",)
-    momentum: float
-    nesterov: bool = False
+    kernel_constants: ClassVar[tuple[str, ...]] = ("momentum", "nesterov")  # csrc/rules/sgd.cu's Args
+    rule: "SGD"
 
     def reference_span(self, shard: ShardOperands, lr_wd: LrWd, a: int, b: int) -> None:
-        momentum, table, param_out = self.momentum, shard.table, shard.param_out
+        momentum, table, param_out = self.rule.momentum, shard.table, shard.param_out
         lr, weight_decay = lr_wd.lr, lr_wd.weight_decay
         g = shard.grad[a:b].float() * self.grad_scale
         w = shard.master[a:b]
@@ -37,7 +37,7 @@ class SGDStep(UpdateArgs):
         if momentum != 0:
             buf = shard.state[0][a:b]
             buf.mul_(momentum).add_(g)
-            direction = g.add(buf, alpha=momentum) if self.nesterov else buf
+            direction = g.add(buf, alpha=momentum) if self.rule.nesterov else buf
         else:
             direction = g
         for s, e, gid in table.group_runs():
@@ -47,18 +47,15 @@ class SGDStep(UpdateArgs):
             param_out[a:b].copy_(w)
 
     def reference(self, shard: ShardOperands, lr_wd: LrWd) -> None:
-        if self.momentum != 0 and not shard.state:
+        if self.rule.momentum != 0 and not shard.state:
             raise ValueError("sgd_step: momentum != 0 needs a momentum buffer")
         super().reference(shard, lr_wd)
 
     def check(self, plan: StepPlan) -> None:
-        if len(plan.state_dtypes) > 1 or (self.momentum != 0 and not plan.state_dtypes):
+        if len(plan.state_dtypes) > 1 or (self.rule.momentum != 0 and not plan.state_dtypes):
             raise ValueError("sgd_step: momentum != 0 needs a momentum buffer (one per shard); without momentum a "
                              "buffer is optional and ignored")
         super().check(plan)  # an unused buffer is still checked
-
-    def cuda(self, plan: StepPlan, lr_wd: torch.Tensor) -> None:
-        ops.cuda_launch(plan, lr_wd, self, (self.momentum, float(self.nesterov)))
 
 
 def recompute(inp: Float64Inputs, momentum: float, nesterov: bool) -> Float64Update:
@@ -88,21 +85,22 @@ def recompute(inp: Float64Inputs, momentum: float, nesterov: bool) -> Float64Upd
 class SGD(UpdateRule):
     """torch.optim.SGD's formula (L2 weight decay, dampening 0); no state without momentum."""
 
-    momentum: float = 0.9
+    momentum: float = constant(0.9, "sgd_momentum", low=0, high=1)
     nesterov: bool = False
     name: ClassVar[str] = "sgd"
+    op_record: ClassVar[type] = SGDStep
 
-    @classmethod
-    def from_config(cls, config: Any) -> "SGD":
-        return cls(momentum=config.sgd_momentum)
+    def torch_group_fields(self) -> dict[str, Any]:
+        """torch.optim.SGD's param-group fields (megatron-core's inner optimizer)."""
+        return {"momentum": self.momentum, "nesterov": self.nesterov, "dampening": 0.0, "maximize": False,
+                "foreach": None, "differentiable": False, "fused": None}
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": torch.float32} if self.momentum != 0 else {}
 
     def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
               backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
-        ops.update(plan, SGDStep(grad_scale=grad_scale, found_inf=found_inf, momentum=self.momentum,
-                                 nesterov=self.nesterov), lr_wd=lr_wd, backend=backend)
+        ops.update(plan, SGDStep(rule=self, grad_scale=grad_scale, found_inf=found_inf), lr_wd=lr_wd, backend=backend)
 
     def float64_update(self, inputs: Float64Inputs) -> Float64Update:
         return recompute(inputs, self.momentum, self.nesterov)

@@ -1,7 +1,7 @@
 """Muon's orthogonalisation of TP-split matrices (``muon_tp_mode`` duplicated / distributed), at the homes.
 
 Each TP rank holds a TP-local block of a TP-split param (``tensor_model_parallel``, split along
-``partition_dim``). Its home in the data-parallel group (whole_tensor_stage.MatrixExchange) assembles
+``partition_dim``). Its home in the data-parallel group (matrix_exchange.MatrixExchange) assembles
 the block's update U; the homes of one matrix on the TP ranks of one DP rank form that DP rank's TP
 group (the layouts, hence the homes, are the same on every TP rank: checked when the exchange is
 built). Per piece (the matrix, or its Q, K and V rows over the local query groups):
@@ -26,8 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import collectives
-from .rules.muon import NS_EPS, QUINTIC, Muon, float32_matmul_precision, newton_schulz, newton_schulz_step
+from ... import collectives
+from ..rules.muon import NS_EPS, QUINTIC, Muon, float32_matmul_precision, newton_schulz, newton_schulz_step
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch.profiler import record_function
 
-from . import stats as grad_stats
+from . import global_stats as grad_stats
 
 
 def clip_coefficient(grad_norm: torch.Tensor, clip_grad: float) -> torch.Tensor:

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
-from ..ops import precision
+from ...distributed.shard_view import GradSource, LocalShard, assemble_full_tensors
+from ...ops import precision
 from .shard_store import ShardStore, master_values
 
 

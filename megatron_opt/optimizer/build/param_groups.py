@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from ..config import OptimizerConfig
-from ..errors import UnsupportedConfigError
+from ...config import OptimizerConfig
+from ...errors import UnsupportedConfigError
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 

@@ -24,8 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .. import collectives
-from ..distributed.shard_view import LocalShard
+from ... import collectives
+from ...distributed.shard_view import LocalShard
 
 _CHUNK = 1 << 16  # elements per checksum chunk: bounds the int64 temporaries (512 KiB)
 _PERIOD = 251  # position weights cycle through 1..251: every product and sum below stays inside int64

@@ -19,8 +19,8 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, runtim
 
 import torch
 
-from ..distributed.shard_view import GradSource
-from .rules.base import UpdateRule
+from ...distributed.shard_view import GradSource
+from ..rules.base import UpdateRule
 
 MASTER = "master"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping, Sequence
 
-from ..errors import InvalidConfigError
+from ...errors import InvalidConfigError
 
 _INF = math.inf
 

@@ -2,7 +2,7 @@
 Each rule's own recomputation (``recompute`` in ``optimizer/rules/<rule>.py``, behind
 ``UpdateRule.float64_update``) uses these.
 
-Verify mode's ``update`` check (optimizer/verify.py) compares what pass 2 stored with these values.
+Verify mode's ``update`` check (optimizer/verify/step_verifier.py) compares what pass 2 stored with these values.
 The bound is derived from the magnitudes of the individual terms of each formula, never from the
 result alone: a moment update such as ``beta1 * m + (1 - beta1) * g`` can cancel to nearly zero
 while each of its terms was rounded at its own magnitude. Every fp32 operation rounds with a

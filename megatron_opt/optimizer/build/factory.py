@@ -6,18 +6,17 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from .. import collectives
-from ..config import OptimizerConfig
-from ..errors import InvalidConfigError, UnsupportedConfigError
-from ..config_conversion import as_optimizer_config, is_ours
-from ..distributed.shard_view import GradSource
-from .chained import ChainedOptimizer
-from .distrib_optimizer import DistributedOptimizer
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from ... import collectives
+from ...config import OptimizerConfig
+from ...errors import InvalidConfigError, UnsupportedConfigError
+from ...config_conversion import as_optimizer_config, is_ours
+from ...distributed.shard_view import GradSource
+from ..chained import ChainedOptimizer
+from ..distrib_optimizer import DistributedOptimizer
+from ..grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
-from .rules.muon import uses_muon
-
-MUON_NAMES = ("muon", "dist_muon")
+from ..rules.muon import Muon, uses_muon
+from ..rules.registry import update_rule_from_config
 
 
 
@@ -42,7 +41,7 @@ def get_param_groups(
     lr_mult: float = 1.0,
     config_overrides: Optional[Mapping[Any, Mapping]] = None,
 ) -> list[dict]:
-    """Param groups with megatron-core's semantics (see optimizer/param_groups.py), the same on every rank.
+    """Param groups with megatron-core's semantics (see optimizer/build/param_groups.py), the same on every rank.
 
     ``config_overrides`` ({megatron-core ParamKey: ParamGroupOverride}) works as in megatron-core;
     without it, megatron-core's standard overrides apply (no weight decay on biases and 1-D params,
@@ -115,6 +114,7 @@ def get_megatron_optimizer(
     """
     megatron_core_call = not is_ours(config)
     config = as_optimizer_config(config)
+    update_rule_from_config(config)  # the config checked against its rule before anything is built
     single = isinstance(model_chunks, (GradSource, torch.nn.Module))
     chunks = [model_chunks] if single else list(model_chunks)
     for chunk in chunks:
@@ -152,7 +152,7 @@ def get_megatron_optimizer(
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    if config.optimizer in MUON_NAMES:
+    if config.optimizer in Muon.names():
         _check_muon_layout(config, chunks, tensor_parallel_group)
         return _muon_optimizer(config, splits, dense_per_split, chunks, expert_groups, scaler, common,
                                grad_stats_group)

@@ -15,7 +15,7 @@ maximal contiguous run of selected pieces: ``shard`` is then the published shard
 masters and rule state exist for the selected elements only and every consumer (kernels, verify,
 state access) keeps reading ``shard_range`` in the OwnedShard's own coordinates.
 Every tensor in ``param_groups`` is a leaf view of a master (docs/contract.md rule 6). The store
-allocates and describes; it runs nothing (the leaf steps it, state_access reads and writes it).
+allocates and describes; it runs nothing (the leaf steps it, piece_state reads and writes it).
 """
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..distributed.shard_view import GradSource, LocalShard, ShardPiece, with_tensor_parallel_rank
-from ..ops import precision
-from ..ops.piece_table import PieceTable
-from .param_groups import group_weight_decay
-from .rules.base import UpdateRule
+from ...distributed.shard_view import GradSource, LocalShard, ShardPiece, with_tensor_parallel_rank
+from ...ops import precision
+from ...ops.piece_table import PieceTable
+from ..build.param_groups import group_weight_decay
+from ..rules.base import UpdateRule
 
 _PARALLEL_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared", "allreduce",
                    "sequence_parallel", "grad_norm_group")

@@ -4,14 +4,14 @@ rank, three checks of the step against what must hold:
   replica  before the step (before its param all-gather can overwrite a bad copy): the model params
            as this step's forward and backward used them are bitwise identical on every rank of the
            data-parallel group, and params replicated across tensor-parallel ranks on every TP peer
-           (optimizer/replica_check.py);
+           (optimizer/verify/replica_check.py);
   cast     before the step: every owned element of a 16-bit param equals its master cast to the
            param dtype (nearest even; with param remainders the split of the joined master), i.e.
            nothing changed either since the last update;
   update   after pass 2: this rank's new masters and update-rule state equal a float64
            recomputation (the rule's ``float64_update``) from a snapshot of the shard taken before
            the step and the reduced, unscaled, clipped gradients, within the bound of the fp32
-           arithmetic (optimizer/float64_update.py) plus the rounding of 16-bit stores; a skipped
+           arithmetic (optimizer/verify/float64_update.py) plus the rounding of 16-bit stores; a skipped
            step must have changed nothing at all.
 
 The checks only read the optimizer's tensors, outside the step proper (never inside a CUDA graph),
@@ -30,16 +30,16 @@ from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
-from .. import collectives
-from ..distributed.shard_view import LocalShard
-from ..errors import UnsupportedConfigError, VerificationError
-from ..ops import precision
+from ... import collectives
+from ...distributed.shard_view import LocalShard
+from ...errors import UnsupportedConfigError, VerificationError
+from ...ops import precision
 from .float64_update import Float64Inputs, Float64Update
 from .replica_check import (Checksums, localise, mismatched_buckets, replicated_across_tensor_parallel,
                             tensor_parallel_group)
-from .shard_store import OwnedShard
-from .step_decision import clip_coefficient
-from .rules.base import UpdateRule
+from ..state.shard_store import OwnedShard
+from ..step.decision import clip_coefficient
+from ..rules.base import UpdateRule
 
 logger = logging.getLogger("megatron_opt")
 

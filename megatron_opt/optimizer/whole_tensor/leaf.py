@@ -3,7 +3,7 @@
 Its pass 2 has three parts. ``apply_update`` (called with every other leaf's) runs the elementwise
 first part on the owned ranges (the momentum, leaving the update direction U per piece);
 ``finish_update`` (called by the step driver once every rank has agreed that the first parts
-succeeded) runs the whole-tensor stage (whole_tensor_stage.MatrixExchange: U to each matrix's home,
+succeeded) runs the whole-tensor stage (matrix_exchange.MatrixExchange: U to each matrix's home,
 orthogonalised there, the slices back) and the elementwise last part (decoupled weight decay and
 the step, rounded into the param buffer). The param all-gather then follows as for every leaf.
 """
@@ -13,15 +13,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import ops
-from ..errors import UnsupportedConfigError
-from .leaf import OptimizerLeaf
-from .float64_update import Float64Update
-from .rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
+from ... import ops
+from ...errors import UnsupportedConfigError
+from ..leaf import OptimizerLeaf
+from ..verify.float64_update import Float64Update
+from ..rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
                          recompute_momentum)
-from .shard_store import ShardStore
+from ..state.shard_store import ShardStore
 from .tensor_parallel_newton_schulz import orthogonalize_split, tensor_split_of
-from .whole_tensor_stage import Matrix, MatrixExchange, MatrixKey, piece_key
+from .matrix_exchange import Matrix, MatrixExchange, MatrixKey, piece_key
 
 
 class WholeTensorLeaf(OptimizerLeaf):

@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import collectives
-from ..ops import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
+from ... import collectives
+from ...ops import NUM_STATS, STAT_NONFINITE, STAT_SUMSQ, STAT_ZEROS
 
 STAT_MISSING_BACKWARD = NUM_STATS  # ranks that reached step() with no gradient since zero_grad_buffer()
 STAT_LATE_GRADIENT = NUM_STATS + 1  # ranks where a gradient reached a hook after its bucket was launched

@@ -34,15 +34,15 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 from torch.profiler import record_function
 
-from ..distributed.shard_view import GradSource, gathers_in_graph
-from .. import collectives
-from ..errors import LateGradientError, RankError, StepOrderError
+from ...distributed.shard_view import GradSource, gathers_in_graph
+from ... import collectives
+from ...errors import LateGradientError, RankError, StepOrderError
 from . import phase_timers
-from . import stats as grad_stats
-from .grad_scaler import DynamicGradScaler, MegatronGradScaler
-from .hyperparams import check_param_groups
-from .step_decision import DecisionRead, StepDecision, Verdict
-from .verify import StepVerifier, VerifyReport
+from . import global_stats as grad_stats
+from ..grad_scaler import DynamicGradScaler, MegatronGradScaler
+from .param_group_checks import check_param_groups
+from .decision import DecisionRead, StepDecision, Verdict
+from ..verify.step_verifier import StepVerifier, VerifyReport
 
 logger = logging.getLogger("megatron_opt")
 
@@ -66,7 +66,7 @@ class Leaf(Protocol):
 
     def accumulate_local_stats(self, stats: torch.Tensor, loss_scale: torch.Tensor, count_zeros: bool) -> None: ...
 
-    def stage_hyperparams(self) -> torch.Tensor: ...
+    def stage_hyperparams(self) -> Any: ...  # the staged lr / wd (ops.LrWdTable)
 
     def apply_update(self, clip_coef: Optional[torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None: ...
 

@@ -1,5 +1,5 @@
 """Megatron-LM's torch_dist optimizer checkpoint: ``sharded_state_dict`` and ``load_state_dict`` in
-megatron-core's two distributed-optimizer formats (sharded_layouts.py says where the tensors go).
+megatron-core's two distributed-optimizer formats (state/torch_dist_layouts.py says where the tensors go).
 
 Megatron-LM's ``generate_state_dict`` calls ``optimizer.sharded_state_dict(state_dict, is_loading,
 metadata=...)`` with ``metadata['distrib_optim_sharding_type']`` = ``'fully_reshardable'`` (with
@@ -12,7 +12,7 @@ The dict of one DistributedOptimizer is megatron-core's::
                               per-leaf update counts, loss scaler, skipped steps, rules); megatron-core
                               reads only 'param_groups'
     grad_scaler               the loss scaler's state_dict (when there is a loss scaler)
-    param_state               the tensors (sharded_layouts.py)
+    param_state               the tensors (state/torch_dist_layouts.py)
     param_state_sharding_type the format
 
 With dp_reshardable the first two are ShardedObjects per data-parallel group, as megatron-core writes
@@ -29,10 +29,10 @@ from typing import Any, Optional
 
 import torch
 
-from .. import collectives
-from ..errors import UnsupportedConfigError
-from . import sharded_layouts as layouts
-from .state_view import first_nonfinite
+from ... import collectives
+from ...errors import UnsupportedConfigError
+from . import torch_dist_layouts as layouts
+from .view import first_nonfinite
 
 _LOG = logging.getLogger("megatron_opt")
 
@@ -60,24 +60,11 @@ def sharding_type(metadata: Optional[dict]) -> str:
 
 
 # ----------------------------------------------------------------------------- scalar state
-def _torch_group_fields(rule: Any) -> dict[str, Any]:
-    """The hyperparameters megatron-core's inner optimizer (torch's AdamW / SGD, or a fused Adam) keeps
-    in each param group: a load replaces its groups with the saved ones, so they must be complete."""
-    if rule.name == "adam":
-        return {"betas": (rule.beta1, rule.beta2), "eps": rule.eps, "bias_correction": True, "amsgrad": False,
-                "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
-                "decoupled_weight_decay": True}
-    if rule.name == "sgd":
-        return {"momentum": rule.momentum, "nesterov": rule.nesterov, "dampening": 0.0, "maximize": False,
-                "foreach": None, "differentiable": False, "fused": None}
-    return dict(rule.hyperparameters())
-
-
 def common_state(child: Any) -> dict[str, Any]:
     """What megatron-core's DistributedOptimizer.state_dict() returns, plus megatron_opt's scalar state."""
     leaf = child.state_leaves()[0]
     step = int(leaf.step.item())
-    extra = _torch_group_fields(leaf.rule)
+    extra = leaf.rule.torch_group_fields()  # the inner optimizer's param-group fields, as the rule declares them
     groups = [{**extra, **{k: v for k, v in g.items() if k != "params"}, "step": step} for g in child.param_groups]
     out: dict[str, Any] = {"optimizer": {"param_groups": groups, "megatron_opt": child.scalar_state()}}
     if child.grad_scaler is not None:

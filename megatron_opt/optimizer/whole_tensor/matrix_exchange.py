@@ -2,7 +2,7 @@
 return every owner its slice (docs/design.md, "Rules that need whole tensors").
 
 Element-range ownership stays as it is: a rank owns ranges of the flat buffers, and a matrix may
-straddle ranks. Each matrix has one home in the data-parallel group (muon_homes.assign_homes, from
+straddle ranks. Each matrix has one home in the data-parallel group (homes.assign_homes, from
 the layout, the same on every rank); a matrix wholly inside one rank's ranges moves nothing. One
 step is two ``all_to_all_single`` calls over the group (the owners' pieces to the homes, the homes'
 slices back), whose split sizes are fixed when the stage is built, and issued by every rank whether
@@ -12,7 +12,7 @@ home orthogonalises is held until both collectives ran, then raised (the step dr
 Under tensor parallelism each TP rank runs its own exchange over its own data-parallel group, on its
 TP-local blocks. The layouts are the same on every TP rank, so a matrix's home DP rank is too (checked
 over the TP group when the exchange is built): the homes of one matrix form a TP group, and the
-``orthogonalize`` callable may run TP collectives among them (tensor_parallel_newton_schulz.py), in
+``orthogonalize`` callable may run TP collectives among them (whole_tensor/tensor_parallel_newton_schulz.py), in
 matrix order, every TP rank of the home with the same matrices.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import collectives
-from ..distributed.shard_view import LocalShard
-from ..errors import InvalidConfigError, UnsupportedConfigError
-from .muon_homes import MatrixPlacement, assign_homes
+from ... import collectives
+from ...distributed.shard_view import LocalShard
+from ...errors import InvalidConfigError, UnsupportedConfigError
+from .homes import MatrixPlacement, assign_homes
 from .tensor_parallel_newton_schulz import TensorSplit
 
 MatrixKey = tuple[int, int, int, int]  # (model chunk, buffer, bucket, param index): the same on every rank

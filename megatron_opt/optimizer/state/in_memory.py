@@ -1,6 +1,6 @@
 """The optimizer's in-memory state_dict: this rank's optimizer state per parameter, in model space.
 
-It is what megatron_opt.checkpoint writes, through the same view (state_view.py), held in memory:
+It is what megatron_opt.checkpoint writes, through the same view (state/view.py), held in memory:
 
     format        STATE_DICT_FORMAT
     fingerprint   {"params": [[key, shape, dtype], ...], "optimizer": {"rules": [...], "state": [...]}}
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .state_view import (OptimizerStateView, compatibility_problem, first_nonfinite, model_fingerprint,
+from .view import (OptimizerStateView, compatibility_problem, first_nonfinite, model_fingerprint,
                          optimizer_fingerprint, owned_slices)
 
 STATE_DICT_FORMAT = "megatron_opt.optimizer_state_dict/2"

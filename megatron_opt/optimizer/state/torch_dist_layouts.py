@@ -19,10 +19,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ..distributed.shard_view import LocalShard
-from ..errors import UnsupportedConfigError
+from ...distributed.shard_view import LocalShard
+from ...errors import UnsupportedConfigError
 from .boxes import flat_range_to_boxes
-from .state_view import MASTER, OptimizerStateView, StateSlice, owned_slices
+from .view import MASTER, OptimizerStateView, StateSlice, owned_slices
 
 FULLY_RESHARDABLE = "fully_reshardable"
 DP_RESHARDABLE = "dp_reshardable"
