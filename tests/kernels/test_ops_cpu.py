@@ -165,3 +165,28 @@ def test_adamw_16_bit_state_matches_reference(state_dtype, master_kind, stochast
         # fp32 noise of the fused loop vs the op sequence may move a 16-bit rounding by one ulp
         ulp = 2**-7 if state_dtype == torch.bfloat16 or master_kind == "remainder" else 2**-10
         torch.testing.assert_close(ours[~gaps], ref[~gaps], rtol=ulp, atol=1e-6)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_adamw_cpu_pass_in_chunks_equals_one_chunk(monkeypatch, state_dtype):
+    """The CPU pass runs CPU_CHUNK elements at a time (adamw.CPU_CHUNK); chunk edges that cut pieces, gaps
+    and param groups anywhere give the same bits as one chunk over the whole span."""
+    from megatron_opt.optimizer.rules import adamw
+
+    numel = 4096
+    table = _table(numel, 5)
+    results = []
+    for chunk in (1 << 20, 64):
+        monkeypatch.setattr(adamw, "CPU_CHUNK", chunk)
+        master = torch.randn(numel, generator=torch.Generator().manual_seed(7))
+        m, v = torch.zeros(numel, dtype=state_dtype), torch.zeros(numel, dtype=state_dtype)
+        out = master.to(torch.bfloat16)
+        step = torch.zeros(1, dtype=torch.int64)
+        for t in range(3):
+            step.add_(1)
+            front.adamw_step(_grad(numel, torch.float32, table, 10 + t), master, m, v, out, table, lr=[1e-2, 3e-3],
+                             weight_decay=[0.1, 0.0], grad_scale=torch.tensor([0.5]), step=step, beta1=0.9,
+                             beta2=0.95, eps=1e-8, backend="cpu")
+        results.append((master, m, v, out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
