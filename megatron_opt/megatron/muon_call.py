@@ -58,7 +58,8 @@ def tag_qkv_split_shapes(model_chunks: Sequence[Any]) -> int:
 
 def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
     """megatron_opt's get_megatron_optimizer (same call shape) as install() puts it where megatron-core's
-    was: with ``optimizer='muon'`` (or ``'dist_muon'``, or another whole-tensor rule: ``'adaptive_muon'``) the QKV weights are tagged first, as megatron-core's
+    was: with ``optimizer='muon'`` (or ``'dist_muon'``, or another whole-tensor rule: ``'adaptive_muon'``) the
+    QKV weights are tagged first, as megatron-core's
     own Muon path does."""
     if getattr(config, "optimizer", None) in WHOLE_TENSOR_NAMES:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]

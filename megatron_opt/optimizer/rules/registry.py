@@ -103,5 +103,6 @@ def resolve_update_rule(config: Any, update_rule: Optional[UpdateRule] = None,
     return rule
 
 
-__all__ = ["NOT_YET", "RULES", "UPDATE_RULES", "OPTIMIZER_NAMES", "names_in_words", "rule_class", "update_rule_from_config",
+__all__ = ["NOT_YET", "RULES",
+           "UPDATE_RULES", "OPTIMIZER_NAMES", "names_in_words", "rule_class", "update_rule_from_config",
            "resolve_update_rule"]
