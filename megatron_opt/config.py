@@ -191,6 +191,10 @@ class OptimizerConfig:
     muon_num_ns_steps: int = 5
     muon_tp_mode: str = "blockwise"  # blockwise / duplicated / distributed: only meaningful at TP > 1
     muon_extra_scale_factor: float = 1.0
+    # optimizer='adaptive_muon': Muon's muon_* fields and megatron-core's adaptive_muon_* (docs/muon.md).
+    adaptive_muon_moment2_method: str = "adamuon"  # 'adamuon' only ('normuon' refused by name)
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-8
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False

@@ -15,7 +15,13 @@ from typing import Any, Optional, Sequence
 
 from ..errors import UnsupportedConfigError
 from ..optimizer.build import factory
-from ..optimizer.rules.muon import QKV_SPLIT_ATTR, Muon
+from ..optimizer.rules.base import Needs
+from ..optimizer.rules.muon import QKV_SPLIT_ATTR
+from ..optimizer.rules.registry import RULES
+
+# Every optimizer name of the whole-tensor family: megatron-core tags the QKV weights for each (its
+# _adaptive_muon_config_to_kwargs starts from Muon's).
+WHOLE_TENSOR_NAMES = tuple(n for rule in RULES if rule.needs is Needs.WHOLE_TENSORS for n in rule.names())
 
 QKV_WEIGHT = "linear_qkv.weight"  # megatron-core's name test for the fused QKV projection
 
@@ -52,9 +58,10 @@ def tag_qkv_split_shapes(model_chunks: Sequence[Any]) -> int:
 
 def get_megatron_optimizer(config: Any, model_chunks: Any, *args: Any, **kwargs: Any) -> Any:
     """megatron_opt's get_megatron_optimizer (same call shape) as install() puts it where megatron-core's
-    was: with ``optimizer='muon'`` (or ``'dist_muon'``) the QKV weights are tagged first, as megatron-core's
+    was: with ``optimizer='muon'`` (or ``'dist_muon'``, or another whole-tensor rule: ``'adaptive_muon'``) the
+    QKV weights are tagged first, as megatron-core's
     own Muon path does."""
-    if getattr(config, "optimizer", None) in Muon.names():
+    if getattr(config, "optimizer", None) in WHOLE_TENSOR_NAMES:
         chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         tag_qkv_split_shapes(chunks)
     return factory.get_megatron_optimizer(config, model_chunks, *args, **kwargs)

@@ -145,3 +145,17 @@ def test_imports_without_megatron_core():
             "print(a.optimizer_config_from_args(args).lr)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "0.001", out.stderr[-3000:]
+
+
+def test_optimizer_adaptive_muon_flag_builds_adaptive_muon():
+    """The main job's --optimizer adaptive_muon (issue 39): Muon's flags and the adaptive_muon_* constants reach
+    the rule."""
+    from megatron_opt.optimizer.rules.adaptive_muon import AdaptiveMuon
+    from megatron_opt.optimizer.rules.registry import update_rule_from_config
+
+    args = megatron_args.parse_megatron_args(
+        ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--optimizer", "adaptive_muon",
+         "--adaptive-muon-beta2", "0.9", "--muon-momentum", "0.8"], world_size=1)
+    rule = update_rule_from_config(megatron_args.optimizer_config_from_args(args))
+    assert type(rule) is AdaptiveMuon and (rule.beta2, rule.momentum, rule.eps) == (0.9, 0.8, 1e-8)

@@ -91,3 +91,18 @@ def test_an_undecided_field_is_refused_unless_at_its_default():
     item = {**item, "passed": {**item["passed"], "shiny_new_knob": 3}}
     with pytest.raises(UnsupportedConfigError, match="shiny_new_knob=3.*no such setting"):
         as_optimizer_config(recorded.rebuilt(item))
+
+
+def test_layer_wise_distributed_adaptive_muon_is_megatron_opts_sharded_adaptive_muon():
+    """Megatron-LM main's --optimizer adaptive_muon --use-distributed-optimizer (issue 39): accepted by install()'s
+    conversion as AdaptiveMuon sharded over the data-parallel ranks, its adaptive_muon_* fields carried."""
+    config = recorded.rebuilt(recorded.entry("main-d98e8a64", "stock", "optimizer"))
+    config.optimizer, config.use_distributed_optimizer = "adaptive_muon", False
+    config.use_layer_wise_distributed_optimizer = True
+    config.adaptive_muon_beta2, config.adaptive_muon_eps = 0.9, 1e-6
+    converted = as_optimizer_config(config)
+    assert (converted.optimizer, converted.use_distributed_optimizer) == ("adaptive_muon", True)
+    assert (converted.adaptive_muon_beta2, converted.adaptive_muon_eps) == (0.9, 1e-6)
+    config.optimizer = "soap"
+    with pytest.raises(UnsupportedConfigError, match="use_layer_wise_distributed_optimizer=True with optimizer='soap'"):
+        as_optimizer_config(config)

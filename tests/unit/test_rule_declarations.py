@@ -18,13 +18,13 @@ from megatron_opt import core_config_fields
 from megatron_opt.config import OptimizerConfig
 from megatron_opt.megatron import arguments as megatron_args
 from megatron_opt.optimizer.rules.base import SAME_AS_CONFIG, Constant
-from megatron_opt.optimizer.rules.muon import Muon
+from megatron_opt.optimizer.rules.base import Needs
 from megatron_opt.optimizer.rules.registry import RULES, update_rule_from_config
 
 PACKAGE = Path(megatron_opt.__file__).resolve().parent
 CONFIG_FIELDS = {f.name: f for f in dataclasses.fields(OptimizerConfig)}
 # OptimizerConfig fields named like a rule's that are not its constants: the rule's check_config reads them.
-READ_BY_CHECK_CONFIG = {"muon_coefficient_type"}
+READ_BY_CHECK_CONFIG = {"muon_coefficient_type", "adaptive_muon_moment2_method"}
 
 
 def declared() -> list[tuple[type, str, Constant, Any]]:
@@ -107,7 +107,8 @@ def _string_constants(path: Path) -> list[str]:
 
 def test_one_list_of_synonyms():
     """An optimizer's other names are declared by its rule (``aliases``) and read from there: no module
-    spells one out, except core_config_fields.py, below the rules' layer, whose list must equal Muon's."""
+    spells one out, except core_config_fields.py, below the rules' layer, whose list must equal the whole-tensor
+    rules' names."""
     aliases = {a for rule in RULES for a in rule.aliases}
     assert aliases == {"dist_muon"}
     spelled = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
@@ -115,7 +116,7 @@ def test_one_list_of_synonyms():
                      and aliases & set(_string_constants(p)))
     assert not spelled, f"modules naming an optimizer synonym: {spelled}"
     sharded = core_config_fields.OPTIMIZER_FIELDS["use_layer_wise_distributed_optimizer"]
-    assert tuple(sharded.optimizers) == Muon.names()
+    assert set(sharded.optimizers) == {n for rule in RULES if rule.needs is Needs.WHOLE_TENSORS for n in rule.names()}
 
 
 def test_qkv_split_attr_is_defined_once():

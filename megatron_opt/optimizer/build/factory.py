@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -15,7 +15,7 @@ from ..chained import ChainedOptimizer
 from ..distrib_optimizer import DistributedOptimizer
 from ..grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .param_groups import ParamCond, build_param_groups, legacy_overrides, megatron_core_overrides
-from ..rules.muon import Muon, uses_muon
+from ..rules.base import Needs
 from ..rules.registry import update_rule_from_config
 
 
@@ -114,7 +114,7 @@ def get_megatron_optimizer(
     """
     megatron_core_call = not is_ours(config)
     config = as_optimizer_config(config)
-    update_rule_from_config(config)  # the config checked against its rule before anything is built
+    rule = update_rule_from_config(config)  # the config checked against its rule before anything is built
     single = isinstance(model_chunks, (GradSource, torch.nn.Module))
     chunks = [model_chunks] if single else list(model_chunks)
     for chunk in chunks:
@@ -152,10 +152,10 @@ def get_megatron_optimizer(
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    if config.optimizer in Muon.names():
+    if rule.needs is Needs.WHOLE_TENSORS:  # the whole-tensor family (Muon, AdaptiveMuon): its params and AdamW's
         _check_muon_layout(config, chunks, tensor_parallel_group)
-        return _muon_optimizer(config, splits, dense_per_split, chunks, expert_groups, scaler, common,
-                               grad_stats_group)
+        return _whole_tensor_optimizer(config, rule.takes, splits, dense_per_split, chunks, expert_groups, scaler,
+                                       common, grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
                 for split, dense in zip(splits, dense_per_split)]
     if expert_groups:
@@ -165,10 +165,12 @@ def get_megatron_optimizer(
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
 
 
-def _muon_optimizer(config: OptimizerConfig, splits: list[list], dense_per_split: list[list[dict]], chunks: list,
-                    expert_groups: list[dict], scaler: Optional[MegatronGradScaler], common: dict,
-                    grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
-    """megatron-core's split: Muon for 2-D params not marked is_embedding_or_output_parameter, AdamW with
+def _whole_tensor_optimizer(config: OptimizerConfig, takes: Callable[[torch.Tensor], bool], splits: list[list],
+                            dense_per_split: list[list[dict]], chunks: list, expert_groups: list[dict],
+                            scaler: Optional[MegatronGradScaler], common: dict,
+                            grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
+    """A whole-tensor rule (Muon below; AdaptiveMuon the same) for the params its ``takes`` selects,
+    megatron-core's split: Muon for 2-D params not marked is_embedding_or_output_parameter, AdamW with
     the adam_* settings for the rest, and (grouping by (optimizer, is_expert) as megatron-core does) the
     expert-parallel params apart: [dense Muon, dense AdamW] per split of the chunks, then [expert Muon,
     expert AdamW], every leaf under the chain's one driver (one norm, one clip, one decision, one
@@ -177,6 +179,8 @@ def _muon_optimizer(config: OptimizerConfig, splits: list[list], dense_per_split
     overlap_param_gather_with_optimizer_step the first split (the first chunk's dense params) is
     stepped and all-gathered first: its Muon and AdamW children together."""
     adam_config = dataclasses.replace(config, optimizer="adam")
+
+    uses_muon = takes
 
     def pair(some_chunks: list, groups: list[dict], expert: bool, always_muon: bool) -> list[DistributedOptimizer]:
         def part(keep: bool) -> list[dict]:

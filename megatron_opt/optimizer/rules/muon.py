@@ -27,11 +27,10 @@ from typing import Any, ClassVar, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ... import ops
 from ...errors import InvalidConfigError, UnsupportedConfigError
-from ...ops.step_plan import StepPlan
 from ..verify.float64_update import rounding_bound
-from .base import CONFIG_OWNER, Needs, UpdateRule, constant
+from .base import CONFIG_OWNER, Needs, constant
+from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule
 
 # The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
 # emerging-optimizers' "quintic" table).
@@ -96,7 +95,7 @@ def newton_schulz_step(x: torch.Tensor, gram: torch.Tensor, a: float, b: float, 
 
 
 @dataclass(frozen=True)
-class Muon(UpdateRule):
+class Muon(WholeTensorRule):
     """Muon's constants, with megatron-core's OptimizerConfig defaults (muon_* fields); Megatron-LM's flags
     default to --muon-momentum 0.9 and --muon-tp-mode duplicated."""
 
@@ -120,6 +119,7 @@ class Muon(UpdateRule):
     aliases: ClassVar[tuple[str, ...]] = ("dist_muon",)  # Megatron-LM's synonym (its distributed Muon): the same rule
     needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
     precision_aware: ClassVar[bool] = True  # exp_avg_dtype stores the momentum_buffer
+    direction_state: ClassVar[tuple[str, ...]] = ("momentum_buffer",)
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -155,11 +155,6 @@ class Muon(UpdateRule):
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"momentum_buffer": self.momentum_dtype}
-
-    def apply(self, plan: StepPlan, *, lr_wd: torch.Tensor, grad_scale: torch.Tensor, step: torch.Tensor,
-              backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
-        raise UnsupportedConfigError("Muon needs whole matrices: it runs through the whole-tensor leaf "
-                                     "(optimizer/whole_tensor/leaf.py), not as an elementwise pass 2.")
 
     # ----------------------------------------------------------------- part 1 and 3: elementwise on owned ranges
     def momentum_direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
@@ -214,6 +209,44 @@ class Muon(UpdateRule):
     def pieces(self, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> int:
         """Independent Newton-Schulz problems in one matrix (3 with a QKV split)."""
         return len(qkv_split) if (self.split_qkv and qkv_split is not None) else 1
+
+    # ----------------------------------------------------------------- the whole-tensor family's interface
+    @property
+    def tensor_parallel_mode(self) -> str:
+        return self.tp_mode
+
+    def qkv_split_of(self, name: str, param: torch.Tensor) -> Optional[tuple[int, ...]]:
+        return qkv_split_of(name, param, self.split_qkv)
+
+    def steady_cost(self, shape: tuple[float, float], pieces: int) -> float:
+        """Newton-Schulz's multiply-adds (whole_tensor/homes.py's cost of a placement)."""
+        rows, cols = shape
+        s, lo = min(rows / pieces, cols), max(rows / pieces, cols)
+        return pieces * (float(self.num_ns_steps) * s * s * (2 * lo + s))
+
+    def direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, state: TensorDict) -> torch.Tensor:
+        return self.momentum_direction(grad, grad_scale, state["momentum_buffer"])
+
+    def matrix_update(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]]) -> torch.Tensor:
+        return self.orthogonalize(u, qkv_split)
+
+    def finish(self, master: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: Scalar, weight_decay: Scalar,
+               matrix: MatrixFacts) -> None:
+        self.apply_direction(master, update, lr, weight_decay)
+
+    def recompute_direction(self, g: torch.Tensor, state: TensorDict) -> tuple[TensorDict, TensorDict, torch.Tensor]:
+        b, db, u = recompute_momentum(self, g, state["momentum_buffer"])
+        return {"momentum_buffer": b}, {"momentum_buffer": db}, u
+
+    def matrix_tolerance(self, matrix: MatrixFacts, device: torch.device) -> float:
+        return ns_relative_error(self.fp32_matmul_prec, device) * o_norm_bound(self, matrix.shape, matrix.qkv_split,
+                                                                               matrix.tensor_split_multiple)
+
+    def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
+                         weight_decay: float, update_tolerance: float, matrix: MatrixFacts
+                         ) -> tuple[TensorDict, TensorDict]:
+        w, dw = recompute_master(w0, update, lr, weight_decay, update_tolerance)
+        return {"master": w}, {"master": dw}
 
 
 def qkv_split_of(name: str, param: torch.Tensor, split_qkv: bool) -> Optional[tuple[int, ...]]:

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from ...errors import UnsupportedConfigError
 from .base import CONFIG_OWNER, Needs, UpdateRule
 
-_NOT_RULES = ("base", "registry")  # the modules of this folder that hold no rule
+_NOT_RULES = ("base", "registry", "whole_tensor_rule")  # the modules of this folder that hold no rule
 
 
 def _rules_of_this_folder() -> tuple[type[UpdateRule], ...]:
@@ -44,9 +44,23 @@ def names_in_words(names: tuple[str, ...] = OPTIMIZER_NAMES) -> str:
     return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
 
 
+# Names megatron-core reaches (Megatron-LM's --optimizer soap; its emerging-optimizer registry through the Python
+# API: emerging-optimizers 0.3.0's) that megatron_opt does not run yet (issue #39, item 7): refused by name.
+NOT_YET: dict[str, str] = {
+    "soap": "SOAP keeps per-matrix preconditioners at each matrix's home (per-matrix state), not implemented yet",
+    **{name: "an emerging-optimizers rule not implemented by megatron_opt yet" for name in (
+        "scion", "polargrad", "mop", "spel", "sinkhorn_muon", "muon_hyperball", "laprop", "rekls")},
+}
+
+
 def rule_class(optimizer: str) -> type[UpdateRule]:
-    """The rule an ``OptimizerConfig.optimizer`` value names (UnsupportedConfigError for an unknown name)."""
+    """The rule an ``OptimizerConfig.optimizer`` value names (UnsupportedConfigError for an unknown name, and by
+    name for the ones megatron-core has that megatron_opt does not run yet: ``NOT_YET``)."""
     cls = UPDATE_RULES.get(optimizer)
+    if cls is None and optimizer in NOT_YET:
+        raise UnsupportedConfigError(
+            f"{CONFIG_OWNER}.optimizer={optimizer!r} is megatron-core's, but not supported by megatron_opt: "
+            f"{NOT_YET[optimizer]} (issue #39). megatron_opt runs {names_in_words()}.")
     if cls is None:
         raise UnsupportedConfigError(
             f"{CONFIG_OWNER}.optimizer={optimizer!r} is not supported; use {names_in_words()}.")
@@ -89,5 +103,6 @@ def resolve_update_rule(config: Any, update_rule: Optional[UpdateRule] = None,
     return rule
 
 
-__all__ = ["RULES", "UPDATE_RULES", "OPTIMIZER_NAMES", "names_in_words", "rule_class", "update_rule_from_config",
+__all__ = ["NOT_YET", "RULES",
+           "UPDATE_RULES", "OPTIMIZER_NAMES", "names_in_words", "rule_class", "update_rule_from_config",
            "resolve_update_rule"]

@@ -404,7 +404,7 @@ class StepVerifier:
                         for s in leaf.owned_shards()]
             if _whole(leaf):  # every rank of the group gets here (applied is the same everywhere)
                 expected = leaf.float64_expectation([c.master for c in copies],
-                                                    [c.state["momentum_buffer"] for c in copies],
+                                                    [c.state for c in copies],
                                                     [ctx.multiplier for ctx in contexts])
                 contexts = [dataclasses.replace(ctx, expected=e) for ctx, e in zip(contexts, expected)]
             findings += update_findings(leaf.owned_shards(), copies, contexts, rank)

@@ -20,7 +20,7 @@ the mean (docs/benchmarks.md, "Muon on the element-range layout").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,10 @@ def placement_cost(placement: MatrixPlacement, steps: int = 5) -> float:
     return placement.pieces * newton_schulz_cost((rows / placement.pieces, cols), steps)
 
 
-def assign_homes(placements: Sequence[MatrixPlacement], dp_size: int, steps: int = 5) -> list[int]:
-    """Home DP rank per matrix (same order as ``placements``); deterministic from its arguments."""
+def assign_homes(placements: Sequence[MatrixPlacement], dp_size: int, steps: int = 5,
+                 cost: Optional[Callable[[MatrixPlacement], float]] = None) -> list[int]:
+    """Home DP rank per matrix (same order as ``placements``); deterministic from its arguments. ``cost``: the
+    rule's cost of one placement (a whole-tensor rule's ``home_cost``); default Newton-Schulz's of ``steps``."""
     if dp_size < 1:
         raise ValueError(f"assign_homes: dp_size must be >= 1, got {dp_size}")
     for index, placement in enumerate(placements):
@@ -94,7 +96,7 @@ def assign_homes(placements: Sequence[MatrixPlacement], dp_size: int, steps: int
                 f"assign_homes: placement {index} has owned counts for {len(placement.owned)} ranks, "
                 f"dp_size is {dp_size}"
             )
-    costs = [placement_cost(p, steps) for p in placements]
+    costs = [cost(p) if cost is not None else placement_cost(p, steps) for p in placements]
     owners = [p.owners() for p in placements]
     # Equal keys keep their given order, so the answer is a function of the input alone.
     largest_first = sorted(range(len(placements)), key=lambda i: (-costs[i], i))

@@ -1,11 +1,13 @@
-"""WholeTensorLeaf: the leaf of a rule that needs whole matrices (Muon), over the same ShardStore.
+"""WholeTensorLeaf: the leaf of any rule of the whole-tensor family (rules/whole_tensor_rule.py: Muon,
+AdaptiveMuon), over the same ShardStore.
 
-Its pass 2 has three parts. ``apply_update`` (called with every other leaf's) runs the elementwise
-first part on the owned ranges (the momentum, leaving the update direction U per piece);
+Its pass 2 has three parts. ``apply_update`` (called with every other leaf's) runs the rule's elementwise
+first part on the owned ranges (``direction``: Muon's momentum, leaving the update direction U per piece);
 ``finish_update`` (called by the step driver once every rank has agreed that the first parts
-succeeded) runs the whole-tensor stage (matrix_exchange.MatrixExchange: U to each matrix's home,
-orthogonalised there, the slices back) and the elementwise last part (decoupled weight decay and
-the step, rounded into the param buffer). The param all-gather then follows as for every leaf.
+succeeded) runs the whole-tensor stage (matrix_exchange.MatrixExchange: U to each matrix's home, the
+rule's ``matrix_update`` there, the slices back) and the rule's elementwise last part (``finish``:
+decoupled weight decay and the step, rounded into the param buffer). The param all-gather then follows
+as for every leaf. Skips, clipping, lr / wd and verify mode are the leaf's, the same for every rule.
 """
 from __future__ import annotations
 
@@ -17,8 +19,7 @@ from ... import ops
 from ...errors import UnsupportedConfigError
 from ..leaf import OptimizerLeaf
 from ..verify.float64_update import Float64Update
-from ..rules.muon import (Muon, ns_relative_error, o_norm_bound, qkv_split_of, recompute_master,
-                         recompute_momentum)
+from ..rules.whole_tensor_rule import MatrixFacts, TensorDict, WholeTensorRule
 from ..state.shard_store import ShardStore
 from .tensor_parallel_newton_schulz import orthogonalize_split, tensor_split_of
 from .matrix_exchange import Matrix, MatrixExchange, MatrixKey, piece_key
@@ -32,50 +33,52 @@ class WholeTensorLeaf(OptimizerLeaf):
     def __init__(self, store: ShardStore) -> None:
         super().__init__(store)
         rule = store.rule
-        if not isinstance(rule, Muon):
-            raise UnsupportedConfigError(f"the whole-tensor stage runs Muon only, not {type(rule).__name__}.")
+        if not isinstance(rule, WholeTensorRule):
+            raise UnsupportedConfigError(f"the whole-tensor stage runs the rules of the whole-tensor family "
+                                         f"(rules/whole_tensor_rule.py), not {type(rule).__name__}.")
         for s in store.shards:
             if s.master.dtype != torch.float32:
-                raise UnsupportedConfigError(f"Muon keeps fp32 masters, not {s.master.dtype}: leave "
+                raise UnsupportedConfigError(f"{type(rule).__name__} keeps fp32 masters, not {s.master.dtype}: leave "
                                              f"main_params_dtype at torch.float32 (and param remainders off).")
         chunk_of = {id(src): i for i, src in enumerate(store.sources)}
         self._chunk_of = chunk_of
         managed = store.managed_params()
         self.exchange = MatrixExchange([(chunk_of[id(src)], s) for src, s in store.published],
                                        selects=lambda p: id(p) in managed,
-                                       qkv_split_of=lambda name, p: qkv_split_of(name, p, rule.split_qkv),
-                                       pieces_of=rule.pieces, ns_steps=rule.num_ns_steps,
+                                       qkv_split_of=rule.qkv_split_of, pieces_of=rule.pieces,
+                                       cost_of=lambda m: rule.home_cost(m.shape, m.pieces),
                                        tensor_split_of=lambda p, shard: tensor_split_of(
-                                           p, shard.tensor_parallel_group, rule.tp_mode))
+                                           p, shard.tensor_parallel_group, rule.tensor_parallel_mode))
+        per_matrix = sorted({n for m in self.exchange.matrices for n in rule.matrix_state(m.shape)})
+        if per_matrix:
+            raise UnsupportedConfigError(
+                f"{type(rule).__name__} declares per-matrix state {per_matrix}; per-matrix state kept at the homes "
+                f"(its checkpoints and reshards) is not implemented yet (issue #39): only rules whose state is "
+                f"elementwise run.")
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
         self._found_inf: Optional[torch.Tensor] = None
 
     def apply_update(self, clip_coef: Optional[torch.Tensor], found_inf: Optional[torch.Tensor] = None) -> None:
-        """The first, elementwise part: B = beta*B + (1-beta)*g and U, per owned piece. ``found_inf``
-        (the step decided on the device, optimizer_cuda_graph): a device flag; nonzero keeps the momentum
-        as it was (and, in ``finish_update``, the masters), read by no host: the exchange and
-        Newton-Schulz still run, on every rank alike, and their result is discarded."""
+        """The first, elementwise part (the rule's ``direction``: Muon's B = beta*B + (1-beta)*g and U), per
+        owned piece. ``found_inf`` (the step decided on the device, optimizer_cuda_graph): a device flag;
+        nonzero keeps the state as it was (and, in ``finish_update``, the masters), read by no host: the
+        exchange and the matrix update still run, on every rank alike, and their result is discarded."""
         ops.advance_step(self.step, found_inf, backend=self.backend)
         self._directions = None
         self._found_inf = found_inf
         for multiplier in self.multipliers:
             multiplier.fold_clip(clip_coef)
-        rule: Muon = self.rule
+        rule: WholeTensorRule = self.rule
         directions: dict[MatrixKey, torch.Tensor] = {}
         for src, s in self._owned_with_source():
             scale = self._multiplier_of[id(s.shard.unscale_factor)].update_scale
-            buf = s.state["momentum_buffer"]
             for pc in s.shard.pieces:
                 a, b = pc.shard_range.start, pc.shard_range.end
-                # A 16-bit momentum (precision-aware) is widened, updated in fp32 and rounded once on
-                # store; U comes from the fp32 value, as verify mode's float64 recomputation assumes.
-                in_place = buf.dtype == torch.float32 and found_inf is None
-                work = buf[a:b] if in_place else buf[a:b].to(torch.float32, copy=True)
+                work = _work_slices(s.state, rule.direction_state, a, b, found_inf)
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
-                    rule.momentum_direction(s.shard.grad[a:b], scale, work)
-                if not in_place:
-                    buf[a:b].copy_(_unless_skipped(found_inf, buf[a:b], work))
+                    rule.direction(s.shard.grad[a:b], scale, work)
+                _store_slices(s.state, work, a, b, found_inf)
         self._directions = directions
 
     def finish_update(self) -> None:
@@ -83,9 +86,10 @@ class WholeTensorLeaf(OptimizerLeaf):
         directions, self._directions = self._directions, None
         if directions is None:
             raise RuntimeError("WholeTensorLeaf.finish_update() without apply_update() in this step.")
-        rule: Muon = self.rule
+        rule: WholeTensorRule = self.rule
         device = self.step.device
-        updates = self.exchange.run(directions, self._orthogonalize, device)
+        updates = self.exchange.run(directions, self._matrix_updates, device)
+        facts = self._facts()
         found_inf, self._found_inf = self._found_inf, None
         # The step decided on the device reads lr / wd from the staged device table (a CUDA graph
         # replays with the values staged before it); the host step from the param groups.
@@ -93,55 +97,65 @@ class WholeTensorLeaf(OptimizerLeaf):
         for src, s in self._owned_with_source():
             for pc, gid in zip(s.shard.pieces, s.table.group):
                 a, b = pc.shard_range.start, pc.shard_range.end
+                key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
                 group = self.param_groups[gid]
                 lr, wd = ((float(group["lr"]), float(group["weight_decay"])) if table is None
                           else (table[gid, 0], table[gid, 1]))
                 master = s.master[a:b] if found_inf is None else s.master[a:b].clone()
-                rule.apply_direction(master, updates[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)],
-                                     lr, wd)
+                work = _work_slices(s.state, rule.finish_state, a, b, found_inf)
+                rule.finish(master, updates[key], work, lr, wd, facts[key])
+                _store_slices(s.state, work, a, b, found_inf)
                 if found_inf is not None:
                     s.master[a:b].copy_(_unless_skipped(found_inf, s.master[a:b], master))
                 if s.param_out is not None:
                     s.param_out[a:b].copy_(s.master[a:b])
 
-    def float64_expectation(self, masters: Sequence[torch.Tensor], momenta: Sequence[torch.Tensor],
+    def float64_expectation(self, masters: Sequence[torch.Tensor], states: Sequence[TensorDict],
                             multipliers: Sequence[torch.Tensor]) -> list[Float64Update]:
         """Verify mode (a collective, like the step): this step recomputed in float64 from each owned
-        shard's pre-step ``masters`` and ``momenta`` and float64 gradient ``multipliers``; per shard the
-        expected master and momentum over its pieces (zero elsewhere) with their bounds (rules/muon.py:
-        part 2's bound is relative to the whole matrix)."""
-        rule: Muon = self.rule
+        shard's pre-step ``masters`` and ``states`` (its state tensors by name) and float64 gradient
+        ``multipliers``; per shard the expected master and state over its pieces (zero elsewhere) with
+        their bounds (the rule's ``matrix_tolerance``: part 2's bound is relative to the whole matrix)."""
+        rule: WholeTensorRule = self.rule
         shards = self._owned_with_source()
         directions: dict[MatrixKey, torch.Tensor] = {}
-        momentum_values = []
-        for (src, s), b0, mult in zip(shards, momenta, multipliers):
-            b, db, u = recompute_momentum(rule, s.shard.grad.double() * mult, b0.double())
-            momentum_values.append((b, db))
+        first_parts = []
+        for (src, s), st, mult in zip(shards, states, multipliers):
+            values, bounds, u = rule.recompute_direction(s.shard.grad.double() * mult,
+                                                         {n: st[n].double() for n in rule.direction_state})
+            first_parts.append((values, bounds))
             for pc in s.shard.pieces:
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
                     u[pc.shard_range.start:pc.shard_range.end]
-        updates = self.exchange.run(directions, self._orthogonalize, self.step.device, dtype=torch.float64)
-        matrices = {m.key: m for m in self.exchange.matrices}
-        relative = ns_relative_error(rule.fp32_matmul_prec, self.step.device)
+        updates = self.exchange.run(directions, self._matrix_updates, self.step.device, dtype=torch.float64)
+        facts = self._facts()
         out = []
-        for (src, s), w0, (b, db) in zip(shards, masters, momentum_values):
-            w, dw = torch.zeros_like(b), torch.zeros_like(b)
+        for (src, s), w0, st, (values, bounds) in zip(shards, masters, states, first_parts):
+            last = {n: (torch.zeros_like(w0, dtype=torch.float64), torch.zeros_like(w0, dtype=torch.float64))
+                    for n in ("master", *rule.finish_state)}
             for pc, gid in zip(s.shard.pieces, s.table.group):
                 a, e = pc.shard_range.start, pc.shard_range.end
                 key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
                 group = self.param_groups[gid]
-                m = matrices[key]
-                o_tol = relative * o_norm_bound(rule, m.shape, m.qkv_split,
-                                                m.tensor_split.multiple() if m.tensor_split else (1, 1))
-                w[a:e], dw[a:e] = recompute_master(w0[a:e].double(), updates[key], float(group["lr"]),
-                                                   float(group["weight_decay"]), o_tol)
-            out.append(Float64Update({"master": w, "momentum_buffer": b}, {"master": dw, "momentum_buffer": db}))
+                vals, bnds = rule.recompute_finish(w0[a:e].double(), updates[key],
+                                                   {n: st[n][a:e].double() for n in rule.finish_state},
+                                                   float(group["lr"]), float(group["weight_decay"]),
+                                                   rule.matrix_tolerance(facts[key], self.step.device), facts[key])
+                for n, (v, d) in last.items():
+                    v[a:e], d[a:e] = vals[n], bnds[n]
+            out.append(Float64Update({**values, **{n: v for n, (v, _) in last.items()}},
+                                     {**bounds, **{n: d for n, (_, d) in last.items()}}))
         return out
 
-    def _orthogonalize(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[torch.Tensor]:
-        """O of every homed matrix (in matrix order): alone on its block, or across TP in the rule's
-        tp_mode, one batch per TP group (a collective: the group's ranks home the same matrices)."""
-        rule: Muon = self.rule
+    def _facts(self) -> dict[MatrixKey, MatrixFacts]:
+        return {m.key: MatrixFacts(m.shape, m.qkv_split, m.tensor_split.multiple() if m.tensor_split else (1, 1))
+                for m in self.exchange.matrices}
+
+    def _matrix_updates(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[torch.Tensor]:
+        """The rule's update of every homed matrix (in matrix order): alone on its block, or across TP in the
+        rule's tensor_parallel_mode, one batch per TP group (a collective: the group's ranks home the same
+        matrices)."""
+        rule: WholeTensorRule = self.rule
         out: list[Optional[torch.Tensor]] = [None] * len(items)
         batches: dict[int, list[int]] = {}
         for i, (u, m) in enumerate(items):
@@ -154,11 +168,27 @@ class WholeTensorLeaf(OptimizerLeaf):
                 out[i] = o
         for i, (u, m) in enumerate(items):
             if m.tensor_split is None:
-                out[i] = rule.orthogonalize(u, m.qkv_split)
+                out[i] = rule.matrix_update(u, m.qkv_split)
         return out
 
     def _owned_with_source(self):
         return [(s.source, s) for s in self.store.shards]
+
+
+def _work_slices(state: TensorDict, names: Sequence[str], a: int, b: int,
+                 found_inf: Optional[torch.Tensor]) -> TensorDict:
+    """fp32 slices [a, b) of the state tensors ``names`` for a rule's elementwise part: the state itself when
+    it is fp32 and the host decided the step; else an fp32 copy (a 16-bit state, precision-aware, is widened,
+    updated in fp32 and rounded once on store, as verify mode's float64 recomputation assumes)."""
+    return {n: state[n][a:b] if (state[n].dtype == torch.float32 and found_inf is None)
+            else state[n][a:b].to(torch.float32, copy=True) for n in names}
+
+
+def _store_slices(state: TensorDict, work: TensorDict, a: int, b: int, found_inf: Optional[torch.Tensor]) -> None:
+    """``work`` back into ``state`` where it is a copy (unless the device flag ``found_inf`` skips the step)."""
+    for n, w in work.items():
+        if not (state[n].dtype == torch.float32 and found_inf is None):
+            state[n][a:b].copy_(_unless_skipped(found_inf, state[n][a:b], w))
 
 
 def _unless_skipped(found_inf: Optional[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

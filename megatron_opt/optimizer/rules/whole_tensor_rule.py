@@ -1,0 +1,132 @@
+"""WholeTensorRule: the family of update rules that read whole matrices (Muon, AdaptiveMuon), beside the
+elementwise ones. One rule of the family is one file in this folder; the whole-tensor leaf
+(optimizer/whole_tensor/leaf.py) runs any of them, and homes, the exchange, skips, clipping, lr / wd,
+checkpoints and verify mode are the leaf's, the same for every rule (docs/design.md, "Add a whole-tensor rule").
+
+A rule of the family declares:
+
+* what it needs (``takes``: which params it updates, the rest going to its AdamW companion;
+  ``tensor_parallel_mode``: ``blockwise`` = the TP-local block is the matrix (TP-split parts), else the
+  whole matrix across the TP group);
+* its state, of two kinds: elementwise state (``state_dtypes``, element-range sharded like AdamW's moments;
+  ``direction_state`` names what part 1 updates, ``finish_state`` what part 3 updates) and per-matrix state
+  (``matrix_state``: lives once, at the matrix's home; none of the family's rules has any yet, and the leaf
+  refuses a rule that declares some, by name);
+* its cost model for the home balance (``steady_cost`` every step, ``periodic_cost`` every ``period`` steps,
+  such as a preconditioner refresh; ``home_cost`` combines them);
+* its step in three parts: ``direction`` (elementwise, owned ranges), ``matrix_update`` (the whole matrix, at
+  its home), ``finish`` (elementwise, owned ranges: decay and the step);
+* its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``).
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional, Sequence, Union
+
+import torch
+
+from ... import ops
+from ...errors import UnsupportedConfigError
+from ...ops.step_plan import StepPlan
+from .base import Needs, UpdateRule
+
+Scalar = Union[float, torch.Tensor]  # a host float, or a 0-d device tensor (the staged lr / wd table)
+TensorDict = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class MatrixFacts:
+    """What parts 3 and verify mode may read of one matrix: its (TP-local) shape, QKV split and how many
+    times each dimension the orthogonalised matrix is (TP-split matrices taken whole: (tp, 1) or (1, tp))."""
+
+    shape: tuple[int, int]
+    qkv_split: Optional[tuple[int, ...]] = None
+    tensor_split_multiple: tuple[int, int] = (1, 1)
+
+
+class WholeTensorRule(UpdateRule):
+    """The base of the whole-tensor family (see the module docstring)."""
+
+    needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
+    direction_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 1 updates
+    finish_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 3 updates
+
+    # ----------------------------------------------------------------- what it needs
+    @staticmethod
+    def takes(param: torch.Tensor) -> bool:
+        """megatron-core's split for its matrix optimizers: a 2-D param not marked
+        ``is_embedding_or_output_parameter``; the rest goes to AdamW."""
+        return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+    @property
+    def tensor_parallel_mode(self) -> str:
+        """``blockwise``: the TP-local block is the matrix; ``duplicated`` / ``distributed``: the whole matrix
+        across the TP group (tensor_parallel_newton_schulz.py)."""
+        return "blockwise"
+
+    def qkv_split_of(self, name: str, param: torch.Tensor) -> Optional[tuple[int, ...]]:
+        """The rows of (Q, K, V) in one query group when the rule splits this param (None: it does not)."""
+        return None
+
+    def pieces(self, shape: Sequence[int], qkv_split: Optional[Sequence[int]]) -> int:
+        """Independent problems in one matrix (the home balance counts them)."""
+        return 1
+
+    # ----------------------------------------------------------------- state
+    def matrix_state(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-matrix state kept once at the matrix's home, by name: (shape, dtype). None by default."""
+        return {}
+
+    # ----------------------------------------------------------------- cost model (homes.assign_homes)
+    @abc.abstractmethod
+    def steady_cost(self, shape: tuple[float, float], pieces: int) -> float:
+        """Work of one step's ``matrix_update`` on a matrix of ``shape`` made of ``pieces`` equal row blocks."""
+
+    def periodic_cost(self, shape: tuple[float, float], pieces: int) -> tuple[float, int]:
+        """(work, period): extra work every ``period`` steps (a preconditioner refresh). None by default."""
+        return 0.0, 1
+
+    def home_cost(self, shape: tuple[float, float], pieces: int) -> float:
+        """The balance's cost of one matrix: the steady work plus the periodic work per step."""
+        work, period = self.periodic_cost(shape, pieces)
+        cost = self.steady_cost(shape, pieces)
+        return cost + work / period if work else cost
+
+    # ----------------------------------------------------------------- the step, in three parts
+    @abc.abstractmethod
+    def direction(self, grad: torch.Tensor, grad_scale: torch.Tensor, state: TensorDict) -> torch.Tensor:
+        """Part 1 on one owned range: updates ``state`` (fp32 slices of ``direction_state``) in place and
+        returns the direction the home reads (fp32)."""
+
+    @abc.abstractmethod
+    def matrix_update(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]]) -> torch.Tensor:
+        """Part 2 on a whole (TP-local) matrix at its home: fp32 in, fp32 out; float64 in, float64 out."""
+
+    @abc.abstractmethod
+    def finish(self, master: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: Scalar, weight_decay: Scalar,
+               matrix: MatrixFacts) -> None:
+        """Part 3 on one owned range: updates ``master`` and ``state`` (fp32 slices of ``finish_state``)."""
+
+    def apply(self, plan: StepPlan, *, lr_wd: Any, grad_scale: torch.Tensor, step: torch.Tensor,
+              backend: ops.Backend, found_inf: Optional[torch.Tensor] = None) -> None:
+        raise UnsupportedConfigError(f"{type(self).__name__} needs whole matrices: it runs through the whole-tensor "
+                                     f"leaf (optimizer/whole_tensor/leaf.py), not as an elementwise pass 2.")
+
+    # ----------------------------------------------------------------- float64 recomputation (verify mode)
+    @abc.abstractmethod
+    def recompute_direction(self, g: torch.Tensor, state: TensorDict) -> tuple[TensorDict, TensorDict, torch.Tensor]:
+        """Part 1 in float64 from the float64 gradient and pre-step state: (state values, their bounds, U)."""
+
+    @abc.abstractmethod
+    def matrix_tolerance(self, matrix: MatrixFacts, device: torch.device) -> float:
+        """A bound on every element's error of part 2's fp32 result (|e_ij| <= ||E||_F)."""
+
+    @abc.abstractmethod
+    def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
+                         weight_decay: float, update_tolerance: float, matrix: MatrixFacts
+                         ) -> tuple[TensorDict, TensorDict]:
+        """Part 3 in float64: ({"master": W, finish_state...}, their bounds)."""
+
+
+__all__ = ["WholeTensorRule", "MatrixFacts", "Scalar", "TensorDict"]
