@@ -3,13 +3,13 @@
     OMP_NUM_THREADS=1 CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --standalone --nproc_per_node=2 \
         tools/megatron_bridge_cpu/run.py [--megatron-opt] [--install-late] [--tp N] [--pp N] \
         [--optimizer adam|dist_muon|muon] [--recipe-ddp] [--iters N] [--save DIR] [--load DIR] \
-        [--save-interval N] [--exit-interval N]
+        [--ckpt-step N] [--save-interval N] [--exit-interval N]
 
 Bridge's public API only: a ``GPTModelProvider`` (megatron-core's local layer spec: no Transformer
 Engine), a ``ConfigContainer`` with Bridge's mock GPT data and NullTokenizer, ``pretrain(config,
 gpt_step.forward_step, callbacks=[...])``. With --megatron-opt the one line ``import megatron_opt.megatron;
 megatron_opt.megatron.install()`` comes before Bridge is imported (with --install-late: after).
---recipe-ddp trains with the DistributedDataParallelConfig of Bridge's Llama 3.2 1B pretrain recipe
+--recipe-ddp trains with the DistributedDataParallelConfig of Bridge's GPT-3 175B pretrain recipe
 (average_in_collective, grad_reduce_in_fp32, check_for_nan_in_grad, both overlaps, the distributed
 optimizer). --optimizer dist_muon builds Muon with Bridge's ``distributed_muon_with_cosine_annealing``.
 A callback prints, on the last rank, one ``PRECISE {json}`` line per iteration (losses, grad norm, zero
@@ -36,10 +36,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--optimizer", default="adam", choices=["adam", "dist_muon", "muon"])
-    p.add_argument("--recipe-ddp", action="store_true", help="Bridge's Llama 3.2 1B recipe DDP config")
+    p.add_argument("--recipe-ddp", action="store_true", help="Bridge's GPT-3 175B recipe DDP config")
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--save")
     p.add_argument("--load")
+    p.add_argument("--ckpt-step", type=int, help="with --load: the iteration to load (default: the latest)")
     p.add_argument("--save-interval", type=int)
     p.add_argument("--exit-interval", type=int)
     return p.parse_args(argv)
@@ -67,9 +68,11 @@ def optimizer_and_scheduler(opts: argparse.Namespace):
 def ddp_config(opts: argparse.Namespace):
     from megatron.bridge.training.config import DistributedDataParallelConfig
     if opts.recipe_ddp:
-        # Bridge's recipes share one DDP setting (recipes/common.py); taken from a public recipe.
-        from megatron.bridge.recipes.llama import llama32_1b_pretrain_1gpu_h100_bf16_config
-        return llama32_1b_pretrain_1gpu_h100_bf16_config().ddp
+        # Bridge's pretraining recipes start from one DDP setting (grad_reduce_in_fp32, average_in_collective,
+        # ...). The GPT-3 175B recipe builds its model provider without Hugging Face (the Llama and Qwen
+        # recipes download a config from the Hub); only its DDP config is used.
+        from megatron.bridge.recipes.gpt.h100 import gpt3_175b_pretrain_32gpu_h100_bf16_config
+        return gpt3_175b_pretrain_32gpu_h100_bf16_config().ddp
     distributed = opts.optimizer != "muon"
     return DistributedDataParallelConfig(use_distributed_optimizer=distributed, overlap_grad_reduce=True,
                                          overlap_param_gather=distributed, check_for_nan_in_grad=True)
@@ -100,8 +103,9 @@ def config(opts: argparse.Namespace):
                                      num_workers=0, pin_memory=False, persistent_workers=False, split="9999,8,2"),
         logger=LoggerConfig(log_interval=1),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=MODEL["vocab_size"]),
-        checkpoint=CheckpointConfig(save=opts.save, load=opts.load, save_interval=opts.save_interval,
-                                    ckpt_format="torch_dist"),
+        checkpoint=CheckpointConfig(save=opts.save, load=opts.load, ckpt_step=opts.ckpt_step,
+                                    save_interval=opts.save_interval, ckpt_format="torch_dist",
+                                    exit_on_missing_checkpoint=opts.load is not None),
         rng=RNGConfig(seed=1234),
         dist=DistributedInitConfig(distributed_backend="gloo"),
         mixed_precision=None,  # fp32: the two optimizers then differ by fp32 summation order only
