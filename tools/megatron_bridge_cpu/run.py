@@ -59,7 +59,8 @@ def optimizer_and_scheduler(opts: argparse.Namespace):
         return optimizer, scheduler
     from megatron.bridge.recipes.utils.optimizer_utils import distributed_muon_with_cosine_annealing
     optimizer, scheduler = distributed_muon_with_cosine_annealing(
-        muon_fp32_matmul_prec="high", lr_warmup_iters=0, lr_decay_iters=opts.iters, max_lr=LR)
+        precision="fp32", muon_fp32_matmul_prec="high", lr_warmup_iters=0, lr_decay_iters=opts.iters, max_lr=LR,
+        min_lr=0.0)  # min_lr=None fails in megatron-core's scheduler (asserts min_lr >= 0.0)
     optimizer.optimizer = opts.optimizer  # 'muon': the non-distributed one (megatron-core's fp32 reference)
     optimizer.log_num_zeros_in_grad = True
     return optimizer, scheduler
