@@ -38,6 +38,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
 LOSS_TOL = 1e-6
 NORM_RTOL = 1e-6
 # case: (megatron-core's run, megatron_opt's run). Muon: megatron_opt shards it ('dist_muon', the distributed
@@ -54,7 +55,10 @@ def launch(python: str, args: list[str], log: str, timeout: int) -> tuple[object
     """One torchrun launch of run.py with 2 ranks; returns (rc, seconds, {iteration: record})."""
     cmd = [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(HERE, "run.py")] + args
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    # megatron_opt from this checkout (the Bridge venv does not install it)
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=path)
     start = time.time()
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
@@ -101,7 +105,10 @@ def compare(core: dict[int, dict], mo: dict[int, dict], iterations: list[int], r
     out: dict = {"iterations": iterations, "missing": missing}
     if missing:
         return out | {"ok": False}
-    loss = lambda r: r["losses"]["lm loss"]  # noqa: E731
+
+    def loss(record: dict) -> float:
+        return record["losses"]["lm loss"]
+
     out |= {
         "dloss": max(abs(loss(mo[i]) - loss(core[i])) for i in iterations),
         "dnorm": max(abs(mo[i]["grad_norm"] - core[i]["grad_norm"]) for i in iterations),

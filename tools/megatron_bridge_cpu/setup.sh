@@ -31,7 +31,7 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 echo "$venv/nvidia-resiliency-ext" > "$site/nvidia_resiliency_ext.pth"
 
 # The training path imports, with megatron-core still finding Transformer Engine absent.
-"$venv/bin/python" - "$here" <<'PY'
+PYTHONWARNINGS=ignore "$venv/bin/python" - "$here" <<'PY'
 import os, sys
 here = sys.argv[1]
 sys.path[:0] = [os.path.join(os.path.dirname(here), "megatron_lm_cpu"), here]
