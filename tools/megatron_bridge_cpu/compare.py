@@ -121,8 +121,10 @@ def compare(core: dict[int, dict], mo: dict[int, dict], iterations: list[int], r
         "mo_classes": sorted({(r["optimizer_module"], r["ddp_module"]) for r in mo.values()}),
     }
     zeros_ok = all(abs(m - c) <= 2 + 0.02 * c for _, c, m in out["zeros"])
-    classes_ok = (all(o.startswith(reference) and d.startswith(reference) for o, d in out["core_classes"])
-                  and all(o.startswith("megatron_opt.") and d.startswith("megatron_opt.") for o, d in out["mo_classes"]))
+    def built_by(classes: list, package: str) -> bool:
+        return all(o.startswith(package) and d.startswith(package) for o, d in classes)
+
+    classes_ok = built_by(out["core_classes"], reference) and built_by(out["mo_classes"], "megatron_opt.")
     if bitwise:
         within = out["dloss"] == 0 and out["dnorm"] == 0
     else:

@@ -51,8 +51,8 @@ def optimizer_and_scheduler(opts: argparse.Namespace):
     distributed-Muon recipe helper with fp32 Newton-Schulz ('high' is fp32 on the CPU)."""
     from megatron.bridge.training.config import OptimizerConfig, SchedulerConfig
     if opts.optimizer == "adam":
-        optimizer = OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.01, clip_grad=1.0, adam_beta1=0.9,
-                                    adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=True,
+        optimizer = OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.01, clip_grad=1.0,
+                                    adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=True,
                                     log_num_zeros_in_grad=True)
         scheduler = SchedulerConfig(lr_decay_style="linear", lr_warmup_iters=0, start_weight_decay=0.01,
                                     end_weight_decay=0.01, weight_decay_incr_style="constant")
@@ -69,9 +69,9 @@ def optimizer_and_scheduler(opts: argparse.Namespace):
 def ddp_config(opts: argparse.Namespace):
     from megatron.bridge.training.config import DistributedDataParallelConfig
     if opts.recipe_ddp:
-        # Bridge's pretraining recipes start from one DDP setting (grad_reduce_in_fp32, average_in_collective,
-        # ...). The GPT-3 175B recipe builds its model provider without Hugging Face (the Llama and Qwen
-        # recipes download a config from the Hub); only its DDP config is used.
+        # A Bridge pretraining recipe's DDP config (grad_reduce_in_fp32, average_in_collective, ...). The GPT-3
+        # 175B recipe builds its model provider without Hugging Face (the Llama and Qwen recipes fetch a config
+        # from the Hub); only its DDP config is used.
         from megatron.bridge.recipes.gpt.h100 import gpt3_175b_pretrain_32gpu_h100_bf16_config
         return gpt3_175b_pretrain_32gpu_h100_bf16_config().ddp
     distributed = opts.optimizer != "muon"
