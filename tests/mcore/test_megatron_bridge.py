@@ -7,7 +7,8 @@ megatron-bridge 0.6.2, megatron-core 0.19.2, about 2 minutes to make) and the ru
 CPU, so the default suite and CI skip it. Run it with
 
     tools/megatron_bridge_cpu/setup.sh /work/venv-bridge
-    MEGATRON_BRIDGE_PYTHON=/work/venv-bridge/bin/python .venv/bin/python -m pytest -q tests/mcore/test_megatron_bridge.py
+    MEGATRON_BRIDGE_PYTHON=/work/venv-bridge/bin/python \
+        .venv/bin/python -m pytest -q tests/mcore/test_megatron_bridge.py
 """
 from __future__ import annotations
 
