@@ -35,7 +35,8 @@ MOVED = {
     "megatron_opt.optimizer.stats": "megatron_opt.optimizer.step.global_stats",
     "megatron_opt.optimizer.step_decision": "megatron_opt.optimizer.step.decision",
     "megatron_opt.optimizer.step_driver": "megatron_opt.optimizer.step.driver",
-    "megatron_opt.optimizer.tensor_parallel_newton_schulz": "megatron_opt.optimizer.whole_tensor.tensor_parallel_newton_schulz",
+    "megatron_opt.optimizer.tensor_parallel_newton_schulz":
+        "megatron_opt.optimizer.whole_tensor.tensor_parallel_newton_schulz",
     "megatron_opt.optimizer.whole_tensor_leaf": "megatron_opt.optimizer.whole_tensor.leaf",
     "megatron_opt.optimizer.whole_tensor_stage": "megatron_opt.optimizer.whole_tensor.matrix_exchange",
 }

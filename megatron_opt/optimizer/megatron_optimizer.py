@@ -211,7 +211,7 @@ class MegatronOptimizer:
         for leaf in self._leaves():
             leaf.reload_model_params()
 
-    # ----------------------------------------------------------------- the state view (state/view.py OptimizerStateView)
+    # ----------------------------------------------------------------- the state view (state/view.py)
     def state_leaves(self) -> list[LeafView]:
         """Each leaf as checkpoint code sees it: update rule, owned pieces tagged with their model chunk,
         param groups, update counter (the one view megatron_opt.checkpoint and state_dict() use)."""

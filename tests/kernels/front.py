@@ -25,7 +25,8 @@ def _plan(shard: ops.ShardOperands, update: bool = True) -> ops.StepPlan:
     return shard.table.memo("one_shard", key, lambda: ops.StepPlan((shard,), update=update), max_entries=_CACHE)
 
 
-def _lr_wd(table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float], device: torch.device) -> ops.LrWdTable:
+def _lr_wd(table: PieceTable, lr: Sequence[float], weight_decay: Sequence[float],
+           device: torch.device) -> ops.LrWdTable:
     key = ("lr_wd", str(device), tuple(float(x) for x in lr), tuple(float(x) for x in weight_decay))
     return table.memo("one_shard", key, lambda: ops.lr_wd_table(lr, weight_decay, device), max_entries=_CACHE)
 
@@ -56,7 +57,8 @@ def sgd_step(grad, master, momentum_buffer: Optional[torch.Tensor], param_out: O
              backend: ops.Backend = "auto") -> None:
     state = () if momentum_buffer is None else (momentum_buffer,)
     _update(ops.ShardOperands(table, grad, master, state, param_out), lr, weight_decay,
-            SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf), backend)
+            SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf),
+            backend)
 
 
 def lion_step(grad, master, exp_avg, param_out: Optional[torch.Tensor], table: PieceTable, *,
@@ -76,8 +78,8 @@ def adamw_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: 
 def sgd_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, momentum: float,
                      nesterov: bool = False, found_inf: Optional[torch.Tensor] = None,
                      backend: ops.Backend = "auto") -> None:
-    ops.update(plan, SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf),
-               lr_wd=lr_wd, backend=backend)
+    record = SGDStep(rule=SGD(momentum=momentum, nesterov=nesterov), grad_scale=grad_scale, found_inf=found_inf)
+    ops.update(plan, record, lr_wd=lr_wd, backend=backend)
 
 
 def lion_step_planned(plan: ops.StepPlan, *, lr_wd: ops.LrWdTable, grad_scale: torch.Tensor, beta1: float,
