@@ -2,13 +2,12 @@
 reference of tests/support/reference_adaptive_muon.py fed the same global batch (cases_muon's model and data)."""
 from __future__ import annotations
 
-import copy
 
 import torch
 import torch.distributed as dist
 
 import megatron_opt as mo
-from tests.distributed.cases_muon import SPLIT, MuonNet, _assemble, _loss, batch
+from tests.distributed.cases_muon import SPLIT, _assemble, _loss, batch, model_and_reference
 from tests.support import reference_adaptive_muon as ram
 from tests.support import reference_muon as rm
 
@@ -17,11 +16,7 @@ def train(steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: f
           scale_mode: str = "spectral", extra_scale: float = 1.0, eps: float = 1e-8, verify: bool = False) -> dict:
     """Train MuonNet with optimizer='adaptive_muon' ``steps`` steps; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = MuonNet()
-    ref = copy.deepcopy(model).double()
-    ref.attn.linear_qkv.weight.qkv_split_shapes = SPLIT
-    ref.emb.weight.is_embedding_or_output_parameter = True
+    model, ref = model_and_reference()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
         use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
     lr = 0.02

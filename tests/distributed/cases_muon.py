@@ -70,6 +70,16 @@ def _assemble(state_dict: dict, name: str, shapes: dict) -> dict[str, torch.Tens
     return whole_from_parts(parts, shapes)
 
 
+def model_and_reference() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """MuonNet from seed 0, and its float64 copy tagged for the reference (QKV split, embedding)."""
+    torch.manual_seed(0)
+    model = MuonNet()
+    ref = copy.deepcopy(model).double()
+    ref.attn.linear_qkv.weight.qkv_split_shapes = SPLIT
+    ref.emb.weight.is_embedding_or_output_parameter = True
+    return model, ref
+
+
 def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1,
           split_qkv: bool = True, scale_mode: str = "spectral", extra_scale: float = 1.0,
           inject_nonfinite_at: Optional[int] = None, matmul_prec: str = "highest", scheduled: bool = False,
@@ -77,11 +87,7 @@ def train(dtype: str, steps: int, nesterov: bool = False, clip: float = 0.5, wei
           precision_aware: bool = False) -> dict:
     """Train MuonNet ``steps`` steps at this world size; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = MuonNet()
-    ref = copy.deepcopy(model).double()
-    ref.attn.linear_qkv.weight.qkv_split_shapes = SPLIT
-    ref.emb.weight.is_embedding_or_output_parameter = True
+    model, ref = model_and_reference()
     bf16 = dtype == "bf16"
     if bf16:
         model = model.bfloat16()

@@ -31,14 +31,13 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(ROOT, "tools", "megatron_lm_cpu"))
+import compare as megatron_lm_compare  # noqa: E402  (its launcher: one torchrun run with its log)
 LOSS_TOL = 1e-6
 NORM_RTOL = 1e-6
 # case: (megatron-core's run, megatron_opt's run). Muon: megatron_opt shards it ('dist_muon', the distributed
@@ -57,21 +56,8 @@ def launch(python: str, args: list[str], log: str, timeout: int) -> tuple[object
            os.path.join(HERE, "run.py")] + args
     # megatron_opt from this checkout (the Bridge venv does not install it)
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=path)
-    start = time.time()
-    with open(log, "w") as out:
-        out.write(" ".join(cmd) + "\n")
-        out.flush()
-        # its own process group: a timeout ends torchrun's workers too
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            rc = "timeout"
-    return rc, time.time() - start, parse(log)
+    rc, seconds = megatron_lm_compare.run_logged(cmd, log, timeout, PYTHONPATH=path)
+    return rc, seconds, parse(log)
 
 
 def parse(log: str) -> dict[int, dict]:

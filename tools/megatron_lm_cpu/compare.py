@@ -83,7 +83,14 @@ def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: 
            nproc: int = NPROC, gpu: bool = False):
     """One torchrun launch of run.py; returns (rc, seconds, {iteration: record})."""
     cmd = command(python, mlm_dir, megatron_opt, args, nproc, gpu)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+    rc, seconds = run_logged(cmd, log, timeout)
+    return rc, seconds, parse(log)
+
+
+def run_logged(cmd: list[str], log: str, timeout: int, **env: str) -> tuple[object, float]:
+    """Run a torchrun command line with its output in ``log`` (the command on the first line), one intra-op
+    thread per rank and ``env`` added to the environment; returns (rc or "timeout", seconds)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1", **env)
     start = time.time()
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
@@ -96,7 +103,7 @@ def launch(python: str, mlm_dir: str, megatron_opt: bool, args: list[str], log: 
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             rc = "timeout"
-    return rc, time.time() - start, parse(log)
+    return rc, time.time() - start
 
 
 def parse(log: str) -> dict[int, dict]:
