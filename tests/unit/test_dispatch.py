@@ -29,19 +29,20 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 @pytest.fixture
 def cuda_backend(monkeypatch):
-    """megatron_opt.ops.cuda over a stand-in ``_C`` that records ``pass2`` calls, taking CPU tensors."""
+    """megatron_opt.ops.cuda over a stand-in ``_C`` that records ``pass2`` calls, taking CPU tensors. The stand-in
+    replaces the package attribute too: where the extension is built (CI), ``from .. import _C`` finds the real
+    module there first."""
     launches = []
     fake = types.ModuleType("megatron_opt._C")
     fake.pass2 = lambda *args: launches.append(args)
     monkeypatch.setitem(sys.modules, "megatron_opt._C", fake)
+    monkeypatch.setattr(mo, "_C", fake, raising=False)
     monkeypatch.delitem(sys.modules, "megatron_opt.ops.cuda", raising=False)
-    had_attribute = hasattr(ops, "cuda")
+    monkeypatch.setattr(ops, "cuda", getattr(ops, "cuda", None), raising=False)  # restored (or removed) after
     cuda = importlib.import_module("megatron_opt.ops.cuda")
+    assert cuda.kernels is fake
     monkeypatch.setattr(cuda, "cuda_device", lambda op, grad: grad.device)
     yield cuda, launches
-    sys.modules.pop("megatron_opt.ops.cuda", None)
-    if not had_attribute and hasattr(ops, "cuda"):
-        delattr(ops, "cuda")  # the stand-in module must not outlive the test
 
 
 def _plan(states: tuple[torch.dtype, ...], n: int = 40) -> ops.StepPlan:
