@@ -195,6 +195,9 @@ class OptimizerConfig:
     adaptive_muon_moment2_method: str = "adamuon"  # 'adamuon' only ('normuon' refused by name)
     adaptive_muon_beta2: float = 0.95
     adaptive_muon_eps: float = 1e-8
+    # optimizer='soap': megatron-core's soap_* fields (SOAP's betas are adam_beta1 / adam_beta2; docs/muon.md).
+    soap_shampoo_beta: float = 0.95
+    soap_use_kl_shampoo: bool = True
     use_distributed_optimizer: bool = False
     overlap_param_gather: bool = False
     overlap_param_gather_with_optimizer_step: bool = False

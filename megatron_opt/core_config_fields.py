@@ -68,7 +68,6 @@ Treatment = Union[Inert, DefaultOnly, Renamed, ShardsOptimizer]
 _FSDP = Inert("read only by Megatron-FSDP (use_megatron_fsdp, which megatron_opt refuses)")
 _OFFLOAD = Inert("read only by the CPU-offloaded optimizer (optimizer_cpu_offload, which megatron_opt refuses)")
 _MUON = Inert("a kernel detail of Muon")
-_SOAP = Inert("read only by optimizer='soap', which megatron_opt refuses")
 _FP8 = Inert("read only with fp8 params (TransformerConfig.fp8_param / fp8_param_gather, which megatron_opt refuses)")
 
 DDP_FIELDS: dict[str, Treatment] = {
@@ -106,15 +105,15 @@ OPTIMIZER_FIELDS: dict[str, Treatment] = {
     "muon_use_nesterov": Renamed("muon_nesterov"),  # megatron-core 0.16.1's name
     "muon_use_syrk": _MUON,
     "muon_scalar_optimizer": DefaultOnly("the non-matrix params of optimizer='muon' use AdamW ('adam') only"),
-    "soap_shampoo_beta": _SOAP,
-    "soap_precondition_frequency": _SOAP,
-    "soap_use_kl_shampoo": _SOAP,
+    "soap_precondition_frequency": DefaultOnly(
+        "emerging-optimizers' SOAP refreshes its eigenbases every step (megatron-core passes it no frequency)"),
     # Megatron-LM main turns --optimizer muon --use-distributed-optimizer (and dist_muon) into this flag with
     # use_distributed_optimizer=False, and wraps the model with ddp_config.use_distributed_optimizer=True:
     # for megatron_opt it asks for Muon sharded over the data-parallel ranks (its MatrixExchange homes).
     "use_layer_wise_distributed_optimizer": ShardsOptimizer(
-        ("adaptive_muon", "muon", "dist_muon"), "megatron-core's layer-wise distributed optimizer is for its matrix "
-        "optimizers (megatron_opt runs 'muon' / 'dist_muon' and 'adaptive_muon' sharded); for optimizer='adam', "
+        ("adaptive_muon", "muon", "dist_muon", "soap"), "megatron-core's layer-wise distributed optimizer is for its "
+        "matrix optimizers (megatron_opt runs 'muon' / 'dist_muon', 'adaptive_muon' and 'soap' sharded); for "
+        "optimizer='adam', "
         "'sgd' or 'lion' use use_distributed_optimizer=True"),
 }
 

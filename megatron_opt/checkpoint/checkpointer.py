@@ -29,7 +29,7 @@ from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
 from . import directory, model_space, param_layout, validation, writer
 from .dcp_errors import dcp_failures
-from .dcp_items import ModelSpaceLoadPlanner
+from .dcp_items import ModelSpaceLoadPlanner, saved_tensor_shapes
 from ..optimizer.state.torch_dist import regrouped_scalar_state
 from .rng import capture_rng, restore_rng
 
@@ -245,6 +245,11 @@ class Checkpointer:
         group = _new_group()
 
         def read() -> None:
+            with dcp_failures(f"reading {folder}"):
+                saved = saved_tensor_shapes(dcp.FileSystemReader(str(folder)).read_metadata())
+            missing = model_space.missing_matrix_state(opt, places, saved)
+            if missing:
+                raise CheckpointError(f"{folder}: {missing}")
             with warnings.catch_warnings(), dcp_failures(f"reading {folder}"):
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(dest, storage_reader=dcp.FileSystemReader(str(folder)), planner=ModelSpaceLoadPlanner(),

@@ -22,7 +22,8 @@ def read_tensors(path: Union[str, Path], what: str = "model",
     ``what``: "model" (the params in their dtype), or an optimizer state name ("master" for the fp32
     master weights, "exp_avg", "exp_avg_sq", ...), reassembled from every rank's part. A state that
     only some params keep (Muon's ``momentum_buffer``, its AdamW companion's moments) comes back for
-    those params.
+    those params. A per-matrix state (SOAP's ``L``, ``R``, ``Q_L``, ...) comes back per matrix block, keyed
+    ``<param name>@<block offsets>+<block shape>`` (the whole matrix at tensor-parallel size 1: ``@0,0+<shape>``).
     """
     folder = directory.resolve(path, iteration)
     manifest = directory.read_manifest(folder)
@@ -33,11 +34,17 @@ def read_tensors(path: Union[str, Path], what: str = "model",
     prefix = "model/" if what == "model" else f"optim/{what}/"
     state: dict[str, torch.Tensor] = {}
     params = manifest["fingerprint"]["params"]
-    if what == "model" or not any(prefix + key in shapes for key, _, _ in params):
+    per_matrix = f"optim/matrix/{what}/"
+    if what != "model" and any(k.startswith(per_matrix) for k in shapes):
+        # A per-matrix state (SOAP's L, Q_L, ...): one whole tensor per matrix block, '<param>@<offsets>+<shape>'.
+        state = {k: torch.empty(shapes[k], dtype=metadata.state_dict_metadata[k].properties.dtype)
+                 for k in shapes if k.startswith(per_matrix)}
+        prefix = per_matrix
+    elif what == "model" or not any(prefix + key in shapes for key, _, _ in params):
         missing = [prefix + key for key, _, _ in params if prefix + key not in shapes]
         if missing:
             raise KeyError(f"{folder} holds no {missing[0]} (saved without an optimizer, or no such state)")
-    for key, shape, dtype in params:
+    for key, shape, dtype in (params if prefix != per_matrix else ()):
         if prefix + key not in shapes:
             continue  # a state this param's rule does not keep
         saved_dtype = metadata.state_dict_metadata[prefix + key].properties.dtype

@@ -26,8 +26,9 @@ import torch
 from .. import collectives
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from ..optimizer.state.view import (OptimizerStateView, first_nonfinite, model_fingerprint, optimizer_fingerprint,
-                                    owned_slices, param_entries, state_names, state_names_of)
+from ..optimizer.state.view import (MatrixStateTensor, OptimizerStateView, first_nonfinite, homed_matrix_state,
+                                    model_fingerprint, optimizer_fingerprint, owned_slices, param_entries, state_names,
+                                    state_names_of)
 from .dcp_items import ParamChunk
 from .param_layout import Placement
 
@@ -144,12 +145,39 @@ def build_save_state(chunks: Sequence[GradSource], optimizer: Optional[Optimizer
                 key = f"optim/{name}/{places[e.key].key}"
                 flat = own(key, s.values()) if s is not None else torch.empty(0, device=e.param.device)
                 sd[key] = ParamChunk(flat, e.param.shape, s.start if s is not None else 0, places[e.key])
+        for m in homed_matrix_state(optimizer):  # written by each matrix's home only
+            key = matrix_state_key(m, places)
+            sd[key] = own(key, m.tensor)
         sd["optim/scalars"] = optimizer.scalar_state()
     if scheduler is not None:
         sd["scheduler"] = scheduler.state_dict()
     sd["run"] = dict(run)
     sd[rank_key()] = rank_state
     return sd
+
+
+def matrix_state_key(m: MatrixStateTensor, places: dict[str, Placement]) -> str:
+    """The checkpoint key of one per-matrix state tensor: the param's name there, and where this rank's block
+    of it starts and its shape (a TP-local block's state belongs to that block: another tensor-parallel split
+    has other blocks, so other keys)."""
+    place = places[m.key]
+    offset = place.pieces[0].offset if place.pieces else (0,) * len(m.param.shape)
+    block = ",".join(str(o) for o in offset) + "+" + "x".join(str(n) for n in m.param.shape)
+    return f"optim/matrix/{m.state}/{place.key}@{block}"
+
+
+def missing_matrix_state(optimizer: Optional[OptimizerStateView], places: dict[str, Placement],
+                         saved_keys: Any) -> Optional[str]:
+    """Why the checkpoint cannot give this rank its per-matrix state (None when it can)."""
+    if optimizer is None:
+        return None
+    missing = [matrix_state_key(m, places) for m in homed_matrix_state(optimizer)
+               if matrix_state_key(m, places) not in saved_keys]
+    if not missing:
+        return None
+    return (f"it holds no {missing[0]} ({len(missing)} per-matrix state tensor(s) missing): the per-matrix state of "
+            f"a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so it loads at the tensor-parallel "
+            f"split that saved it (any data-parallel size), with the same optimizer")
 
 
 @dataclass(frozen=True)
@@ -205,6 +233,8 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Opt
         dest[o.key] = ParamChunk(flat[k][used[k] : used[k] + o.numel], o.shape, o.start, o.placement)
         used[k] += o.numel
     if optimizer is not None:
+        for m in homed_matrix_state(optimizer):
+            dest[matrix_state_key(m, places)] = torch.empty_like(m.tensor)
         dest["optim/scalars"] = None
     if scheduler is not None:
         dest["scheduler"] = None
@@ -216,7 +246,8 @@ def build_load_destination(chunks: Sequence[GradSource], optimizer: Optional[Opt
 
 def nonfinite_optimizer_state(dest: dict[str, Any]) -> Optional[str]:
     """'<key> holds non-finite values' for the first read tensor with a NaN or an infinity, else None."""
-    bad = first_nonfinite((key, value.flat) for key, value in dest.items() if isinstance(value, ParamChunk))
+    bad = first_nonfinite((key, value.flat if isinstance(value, ParamChunk) else value) for key, value in dest.items()
+                          if isinstance(value, (ParamChunk, torch.Tensor)))
     return None if bad is None else f"{bad} holds non-finite values"
 
 
@@ -231,6 +262,8 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
                 chunk.start_param_sync(force_sync=True)
                 chunk.finish_param_sync()
         else:
+            for m in homed_matrix_state(optimizer):
+                m.tensor.copy_(dest[matrix_state_key(m, places)])
             optimizer.load_scalar_state(dest["optim/scalars"])
             optimizer.sync_params_from_masters()
     if scheduler is not None:
@@ -238,5 +271,5 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
 
 
 __all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "model_parallel_sizes", "data_parallel_size",
-           "fingerprint", "Staging", "rank_key", "build_save_state", "build_load_destination",
-           "nonfinite_optimizer_state", "apply_loaded_state"]
+           "fingerprint", "Staging", "rank_key", "build_save_state", "matrix_state_key", "missing_matrix_state",
+           "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -52,7 +52,7 @@ def test_megatron_core_configs_convert_field_by_field():
     (lambda: CoreDDPConfig(fp8_param_gather=True), "fp8_param_gather"),
     (lambda: CoreOptimizerConfig(lr=1e-3, decoupled_weight_decay=False), "decoupled_weight_decay"),
     (lambda: CoreOptimizerConfig(lr=1e-3, optimizer_cpu_offload=True), "optimizer_cpu_offload"),
-    (lambda: CoreOptimizerConfig(lr=1e-3, optimizer="soap"), "optimizer"),  # adaptive_muon runs (issue 39)
+    (lambda: CoreOptimizerConfig(lr=1e-3, optimizer="scion"), "optimizer"),  # adaptive_muon, soap run (issue 39)
 ])
 def test_unsupported_megatron_core_values_are_named(make, field):
     config = make()

@@ -178,7 +178,7 @@ def test_fp16_and_bf16_raises():
         OptimizerConfig(lr=LR, fp16=True, bf16=True)
 
 
-@pytest.mark.parametrize("name", ["soap", "Adam", "lamb", ""])
+@pytest.mark.parametrize("name", ["scion", "Adam", "lamb", ""])
 def test_unsupported_optimizer_raises(name):
     """Where the rule is built (the config knows no rule: issue 38)."""
     config = OptimizerConfig(lr=LR, optimizer=name)

@@ -103,6 +103,11 @@ def test_layer_wise_distributed_adaptive_muon_is_megatron_opts_sharded_adaptive_
     converted = as_optimizer_config(config)
     assert (converted.optimizer, converted.use_distributed_optimizer) == ("adaptive_muon", True)
     assert (converted.adaptive_muon_beta2, converted.adaptive_muon_eps) == (0.9, 1e-6)
-    config.optimizer = "soap"
-    with pytest.raises(UnsupportedConfigError, match="use_layer_wise_distributed_optimizer=True with optimizer='soap'"):
+    config.optimizer = "soap"  # SOAP too: its soap_* fields carried
+    config.soap_shampoo_beta, config.soap_use_kl_shampoo = 0.9, False
+    converted = as_optimizer_config(config)
+    assert (converted.optimizer, converted.use_distributed_optimizer) == ("soap", True)
+    assert (converted.soap_shampoo_beta, converted.soap_use_kl_shampoo) == (0.9, False)
+    config.optimizer = "lion"
+    with pytest.raises(UnsupportedConfigError, match="use_layer_wise_distributed_optimizer=True with optimizer='lion'"):
         as_optimizer_config(config)

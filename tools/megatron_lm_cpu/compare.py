@@ -59,7 +59,11 @@ LAYOUTS = {"DP2": [], "TP2": ["--tensor-model-parallel-size", "2"], "PP2": ["--p
 # in Newton-Schulz ('high' is fp32 on the CPU) so that the two runs differ by rounding order only.
 MUON = ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high"]
 MUON_LAYOUTS = {"DP2-muon": MUON,
-               "TP2-muon": MUON + ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]}
+               "TP2-muon": MUON + ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"],
+               # the rest of the whole-tensor family (issue 39): megatron-core's as Muon's (LayerWise / in fp32 its
+               # non-distributed optimizer) against megatron_opt's sharded rule
+               "DP2-adaptive_muon": ["--optimizer", "adaptive_muon", "--muon-fp32-matmul-prec", "high"],
+               "DP2-soap": ["--optimizer", "soap"]}
 # megatron-core's reference for a Muon run: its LayerWiseDistributedOptimizer with UNDER_TEST's flags, except in
 # fp32, where Megatron-LM main d98e8a64's LayerWise chain fails at start-up (ChainedOptimizer asserts one config for
 # LayerWise and its fp32 DistributedOptimizer child): there the reference is its non-distributed Muon.

@@ -47,7 +47,6 @@ def names_in_words(names: tuple[str, ...] = OPTIMIZER_NAMES) -> str:
 # Names megatron-core reaches (Megatron-LM's --optimizer soap; its emerging-optimizer registry through the Python
 # API: emerging-optimizers 0.3.0's) that megatron_opt does not run yet (issue #39, item 7): refused by name.
 NOT_YET: dict[str, str] = {
-    "soap": "SOAP keeps per-matrix preconditioners at each matrix's home (per-matrix state), not implemented yet",
     **{name: "an emerging-optimizers rule not implemented by megatron_opt yet" for name in (
         "scion", "polargrad", "mop", "spel", "sinkhorn_muon", "muon_hyperball", "laprop", "rekls")},
 }

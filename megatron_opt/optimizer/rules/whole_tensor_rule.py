@@ -10,12 +10,11 @@ A rule of the family declares:
   whole matrix across the TP group);
 * its state, of two kinds: elementwise state (``state_dtypes``, element-range sharded like AdamW's moments;
   ``direction_state`` names what part 1 updates, ``finish_state`` what part 3 updates) and per-matrix state
-  (``matrix_state``: lives once, at the matrix's home; none of the family's rules has any yet, and the leaf
-  refuses a rule that declares some, by name);
+  (``matrix_state``: lives once, at the matrix's home, and is read and replaced by ``matrix_step``: SOAP's);
 * its cost model for the home balance (``steady_cost`` every step, ``periodic_cost`` every ``period`` steps,
   such as a preconditioner refresh; ``home_cost`` combines them);
 * its step in three parts: ``direction`` (elementwise, owned ranges), ``matrix_update`` (the whole matrix, at
-  its home), ``finish`` (elementwise, owned ranges: decay and the step);
+  its home; ``matrix_step`` with per-matrix state), ``finish`` (elementwise, owned ranges: decay and the step);
 * its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``).
 """
 from __future__ import annotations
@@ -78,6 +77,10 @@ class WholeTensorRule(UpdateRule):
         """Per-matrix state kept once at the matrix's home, by name: (shape, dtype). None by default."""
         return {}
 
+    def new_matrix_state(self, shape: tuple[int, int], device: torch.device) -> TensorDict:
+        """The per-matrix state before the first step (zeros by default)."""
+        return {n: torch.zeros(s, dtype=d, device=device) for n, (s, d) in self.matrix_state(shape).items()}
+
     # ----------------------------------------------------------------- cost model (homes.assign_homes)
     @abc.abstractmethod
     def steady_cost(self, shape: tuple[float, float], pieces: int) -> float:
@@ -102,6 +105,12 @@ class WholeTensorRule(UpdateRule):
     @abc.abstractmethod
     def matrix_update(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]]) -> torch.Tensor:
         """Part 2 on a whole (TP-local) matrix at its home: fp32 in, fp32 out; float64 in, float64 out."""
+
+    def matrix_step(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]], state: TensorDict,
+                    step: int) -> tuple[torch.Tensor, TensorDict]:
+        """Part 2 with the matrix's per-matrix ``state`` (read, never written) and this update's 1-based ``step``:
+        (the update, the new state). A rule without per-matrix state runs ``matrix_update``."""
+        return self.matrix_update(u, qkv_split), state
 
     @abc.abstractmethod
     def finish(self, master: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: Scalar, weight_decay: Scalar,

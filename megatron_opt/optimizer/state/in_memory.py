@@ -8,6 +8,8 @@ It is what megatron_opt.checkpoint writes, through the same view (state/view.py)
                   [start, start + len) of the flattened param; 'master' as fp32 values whatever the
                   storage, the update rule's state in its own dtype (a load converts)
     scalars       param-group hyperparameters, update counts, loss scaler, skipped steps, rules
+    matrix_state  {state name: {param key: whole tensor}}: the per-matrix state (SOAP's) of the matrices this
+                  rank homes (whole-tensor rules; absent for the others)
 
 A rank's state_dict holds the pieces that rank owns, so it loads wherever it covers what the loading
 rank owns: at the data-parallel size and rank that saved it, or from a one-rank state_dict at any
@@ -19,8 +21,8 @@ from typing import Any
 
 import torch
 
-from .view import (OptimizerStateView, compatibility_problem, first_nonfinite, model_fingerprint,
-                         optimizer_fingerprint, owned_slices)
+from .view import (OptimizerStateView, compatibility_problem, first_nonfinite, homed_matrix_state,
+                   model_fingerprint, optimizer_fingerprint, owned_slices)
 
 STATE_DICT_FORMAT = "megatron_opt.optimizer_state_dict/2"
 _SAME_DP_FORMAT = "megatron_opt.DistributedOptimizer/1"  # megatron_opt's earlier per-shard format
@@ -37,8 +39,26 @@ def build(view: OptimizerStateView) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for s in owned_slices(view):
         state.setdefault(s.state, {})[s.key] = {"start": s.start, "values": s.values().detach().cpu().clone()}
-    return {"format": STATE_DICT_FORMAT, "fingerprint": _fingerprint(view), "state": state,
-            "scalars": view.scalar_state()}
+    out = {"format": STATE_DICT_FORMAT, "fingerprint": _fingerprint(view), "state": state,
+           "scalars": view.scalar_state()}
+    homed = homed_matrix_state(view)
+    if homed:
+        out["matrix_state"] = {}
+        for m in homed:
+            out["matrix_state"].setdefault(m.state, {})[m.key] = m.tensor.detach().cpu().clone()
+    return out
+
+
+def _saved_matrix_state(state_dict: dict, m: Any) -> torch.Tensor:
+    """The saved per-matrix state ``m`` (a MatrixStateTensor); ValueError when the state_dict lacks it."""
+    saved = state_dict.get("matrix_state", {}).get(m.state, {}).get(m.key)
+    if saved is None or tuple(saved.shape) != tuple(m.tensor.shape):
+        held = "nothing" if saved is None else f"a {tuple(saved.shape)} tensor"
+        raise ValueError(
+            f"the state_dict holds {held} for the per-matrix state '{m.state}' of {m.key}, which this rank keeps "
+            f"({tuple(m.tensor.shape)}): a state_dict holds the matrices its rank was home to, and loads only at the "
+            f"data-parallel size and rank that saved it. Save and load with megatron_opt.checkpoint, which reshards.")
+    return saved
 
 
 def _saved_part(state_dict: dict, s: Any) -> torch.Tensor:
@@ -72,6 +92,7 @@ def check(view: OptimizerStateView, state_dict: Any) -> None:
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has "
                          f"{len(my_groups)}. {_FIX}")
     parts = [(f"'{s.state}' of {s.key}", _saved_part(state_dict, s)) for s in owned_slices(view)]
+    parts += [(f"'{m.state}' of {m.key}", _saved_matrix_state(state_dict, m)) for m in homed_matrix_state(view)]
     bad = first_nonfinite(parts)
     if bad is not None:
         raise ValueError(f"state_dict {bad} holds non-finite values; refusing to load it (the next step would write "
@@ -84,6 +105,8 @@ def load(view: OptimizerStateView, state_dict: dict) -> None:
     with torch.no_grad():
         for s in owned_slices(view):
             s.write(_saved_part(state_dict, s))
+        for m in homed_matrix_state(view):
+            m.tensor.copy_(_saved_matrix_state(state_dict, m))
         view.load_scalar_state(state_dict["scalars"])
         view.sync_params_from_masters()
 

@@ -174,7 +174,11 @@ def child_sharded_state_dict(child: Any, model_sharded_state_dict: Any, is_loadi
         for name, unpadded in (("per_bucket_numel", False), ("per_bucket_numel_unpadded", True)):
             param_state[name] = ShardedObject(f"{prefix}.{name}", layouts.bucket_numels(places, unpadded), (1,), (0,),
                                               replica_id=replica)
-    return {**common, "param_state": param_state, "param_state_sharding_type": kind}
+    out = {**common, "param_state": param_state, "param_state_sharding_type": kind}
+    if any(leaf.matrix_state for leaf in child.state_leaves()):  # a whole-tensor rule's (SOAP's), in any format
+        out["matrix_state"] = layouts.matrix_state_entries(
+            child, layouts.model_params_by_identity(model_sharded_state_dict), instance, is_loading)
+    return out
 
 
 def build(optimizer: Any, model_sharded_state_dict: Any, is_loading: bool, metadata: Optional[dict]) -> dict:
@@ -248,6 +252,7 @@ def _per_child(optimizer: Any, state_dict: Any) -> list[dict]:
                          f"{layouts.FULLY_RESHARDABLE_FLAG}, which any layout loads")
     param_state = {(i, k): v for i, ps in enumerate(states) for k, v in ps.items()}
     whole = {"param_state_sharding_type": layouts.FULLY_RESHARDABLE, "param_state": param_state,
+             "matrix_state": {k: v for c in candidates for k, v in (c.get("matrix_state") or {}).items()},
              **_merged_common(commons)}
     return [whole] * len(kids)
 
@@ -271,7 +276,7 @@ def _read(child: Any, part: dict) -> tuple[list, dict]:
                              f"parallel size, bucket size or data-parallel bucketing); load a checkpoint saved with "
                              f"{layouts.FULLY_RESHARDABLE_FLAG}, which any layout loads")
         values = layouts.read_dp_reshardable(child, places, part["param_state"])
-    return values, scalar_state_from(child, part)
+    return values + layouts.read_matrix_state(child, part.get("matrix_state")), scalar_state_from(child, part)
 
 
 def masters_off_the_weights(values: list) -> dict[str, tuple[int, int]]:

@@ -22,7 +22,7 @@ import torch
 from ...distributed.shard_view import LocalShard
 from ...errors import UnsupportedConfigError
 from .boxes import flat_range_to_boxes
-from .view import MASTER, OptimizerStateView, StateSlice, owned_slices
+from .view import MASTER, MatrixStateTensor, OptimizerStateView, StateSlice, homed_matrix_state, owned_slices
 
 FULLY_RESHARDABLE = "fully_reshardable"
 DP_RESHARDABLE = "dp_reshardable"
@@ -149,6 +149,52 @@ def fully_reshardable_state(view: OptimizerStateView, params: dict[int, Any], in
             entry[name] = model_space_tensors(base, f"optimizer.state.{name}.", _values(s, is_loading), s.start,
                                               replica_id)
         out[len(out)] = entry
+    return out
+
+
+def _block_of(base: Any) -> Any:
+    """The ShardedTensor that places this rank's block of a param (a factory's first built tensor)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return base if isinstance(base, ShardedTensor) else model_space_targets(base, base.key, base.replica_id)[0].tensor
+
+
+def matrix_state_entries(view: OptimizerStateView, params: dict[int, Any], instance: int,
+                         is_loading: bool) -> dict[str, Any]:
+    """{'<state>|<param key>': ShardedTensor} for the per-matrix state (SOAP's) of every matrix homed on this
+    rank. Each is keyed by its param's model-space key and placed, whole, at its block's coordinates in the
+    param's grid of blocks (stacked layer / expert axes and tensor-parallel slices): any data-parallel size
+    loads it; another tensor-parallel split has another grid, which dist_checkpointing refuses by shape."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out: dict[str, Any] = {}
+    for m in homed_matrix_state(view):
+        base = params.get(id(m.param))
+        if base is None:
+            raise ValueError(f"param {m.key} is not in the model's sharded state dict: pass the sharded state dict "
+                             f"of the model chunks this optimizer was built over")
+        block = _block_of(base)
+        grid = []
+        for axis, (offset, size) in enumerate(zip(block.global_offset, block.global_shape)):
+            local = 1 if axis < block.prepend_axis_num else block.local_shape[axis - block.prepend_axis_num]
+            grid.append((axis, offset // local, max(1, size // local)))
+        data = torch.empty_like(m.tensor) if is_loading else m.tensor.detach()
+        out[f"{m.state}|{m.key}"] = ShardedTensor.from_rank_offsets(
+            f"optimizer.matrix_state.{m.state}.{block.key}", data, *grid,
+            replica_id=optimizer_replica_id(block.replica_id, instance), prepend_axis_num=len(grid))
+    return out
+
+
+def read_matrix_state(view: OptimizerStateView, loaded: Any) -> list[tuple[MatrixStateTensor, torch.Tensor]]:
+    """The loaded per-matrix state of every matrix homed on this rank; ValueError when the state dict lacks some."""
+    out = []
+    for m in homed_matrix_state(view):
+        value = (loaded or {}).get(f"{m.state}|{m.key}")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.tensor.shape):
+            raise ValueError(f"the optimizer state dict holds no per-matrix state '{m.state}' of {m.key} (this "
+                             f"optimizer's {type(view).__name__} keeps it: a whole-tensor rule's state, e.g. SOAP's); "
+                             f"load a checkpoint saved by the same optimizer at the same tensor-parallel split")
+        out.append((m, value))
     return out
 
 

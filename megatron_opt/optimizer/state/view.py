@@ -11,6 +11,7 @@ through this view only, so the two cannot disagree, and neither depends on the d
     LeafView             one leaf, seen from outside: rule, pieces (with their chunk), groups, counter
     ParamEntry           one trainable param of the model chunks, with its key
     StateSlice           one state tensor of one owned piece, with its place in the param
+    MatrixStateTensor    one per-matrix state tensor (SOAP's L, Q_L, ...) of a matrix homed on this rank
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ class LeafView:
     # Which params of its chunks it keeps (None: all of its kind); Muon's split of one set of buffers
     # into two leaves (ShardStore's ``selects``).
     keeps: Optional[Callable[[torch.nn.Parameter], bool]] = None
+    # Per-matrix state of the matrices homed on this rank (a whole-tensor rule's, e.g. SOAP's): (chunk, param
+    # name, param, state name, live tensor).
+    matrix_state: tuple[tuple[int, str, torch.nn.Parameter, str, torch.Tensor], ...] = ()
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -88,8 +92,10 @@ def leaf_view(leaf: StateLeaf, model_chunks: Sequence[GradSource], model_paralle
         raise ValueError("an optimizer leaf keeps a model chunk that is not among the optimizer's model_chunks")
 
     pieces = tuple(OwnedPiece(index_of(ps.source), ps) for ps in leaf.piece_states())
+    matrix_state = tuple((index_of(src), name, param, state, tensor)
+                         for src, name, param, state, tensor in getattr(leaf, "matrix_state_tensors", list)())
     return LeafView(leaf.rule, leaf.is_expert_parallel, model_parallel, tuple(index_of(s) for s in leaf.sources),
-                    pieces, leaf.param_groups, leaf.step, getattr(leaf, "selects", None))
+                    pieces, leaf.param_groups, leaf.step, getattr(leaf, "selects", None), matrix_state)
 
 
 @runtime_checkable
@@ -224,6 +230,27 @@ def owned_slices(view: OptimizerStateView) -> list[StateSlice]:
             for leaf in view.state_leaves() for op in leaf.pieces for name in op.piece.tensors]
 
 
+@dataclass(frozen=True)
+class MatrixStateTensor:
+    """State ``state`` of the whole (TP-local) matrix ``key``, kept on this rank, its home: written in place."""
+
+    state: str
+    key: str
+    param: torch.nn.Parameter
+    tensor: torch.Tensor
+
+    def write(self, values: torch.Tensor) -> None:
+        self.tensor.copy_(values)
+
+
+def homed_matrix_state(view: OptimizerStateView) -> list[MatrixStateTensor]:
+    """Every per-matrix state tensor of the matrices homed on this rank, keyed in model space (none for
+    rules whose state is elementwise)."""
+    num_chunks = len(view.model_chunks)
+    return [MatrixStateTensor(state, param_key(chunk, name, num_chunks), param, tensor)
+            for leaf in view.state_leaves() for chunk, name, param, state, tensor in leaf.matrix_state]
+
+
 # isfinite() makes about 7 bytes of temporaries per element (abs, ==, !=, *): check in small slices,
 # so the temporaries reuse the same few hundred KiB instead of raising a load's peak.
 FINITE_CHECK_SLICE = 1 << 16
@@ -243,4 +270,5 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
 
 __all__ = ["MASTER", "PieceView", "StateLeaf", "OwnedPiece", "LeafView", "leaf_view", "OptimizerStateView",
            "ParamEntry", "param_key", "param_entries", "state_names", "state_names_of", "model_fingerprint",
-           "optimizer_fingerprint", "compatibility_problem", "StateSlice", "owned_slices", "first_nonfinite"]
+           "optimizer_fingerprint", "compatibility_problem", "StateSlice", "owned_slices", "MatrixStateTensor",
+           "homed_matrix_state", "first_nonfinite"]

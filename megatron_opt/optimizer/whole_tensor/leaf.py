@@ -17,6 +17,7 @@ import torch
 
 from ... import ops
 from ...errors import UnsupportedConfigError
+from ...distributed.shard_view import GradSource
 from ..leaf import OptimizerLeaf
 from ..verify.float64_update import Float64Update
 from ..rules.whole_tensor_rule import MatrixFacts, TensorDict, WholeTensorRule
@@ -49,12 +50,14 @@ class WholeTensorLeaf(OptimizerLeaf):
                                        cost_of=lambda m: rule.home_cost(m.shape, m.pieces),
                                        tensor_split_of=lambda p, shard: tensor_split_of(
                                            p, shard.tensor_parallel_group, rule.tensor_parallel_mode))
-        per_matrix = sorted({n for m in self.exchange.matrices for n in rule.matrix_state(m.shape)})
-        if per_matrix:
-            raise UnsupportedConfigError(
-                f"{type(rule).__name__} declares per-matrix state {per_matrix}; per-matrix state kept at the homes "
-                f"(its checkpoints and reshards) is not implemented yet (issue #39): only rules whose state is "
-                f"elementwise run.")
+        # Per-matrix state (SOAP's): once, at each matrix's home, replaced whole after each exchange succeeded.
+        self.has_matrix_state = any(rule.matrix_state(m.shape) for m in self.exchange.matrices)
+        if self.has_matrix_state and any(m.tensor_split is not None for m in self.exchange.matrices):
+            raise UnsupportedConfigError(f"{type(rule).__name__} keeps per-matrix state, which is kept for TP-local "
+                                         f"blocks only (tensor_parallel_mode 'blockwise').")
+        self.matrix_states: dict[MatrixKey, TensorDict] = {
+            m.key: rule.new_matrix_state(m.shape, store.device) for m in self.exchange.homed}
+        self._new_matrix_states: dict[MatrixKey, TensorDict] = {}
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
         self._found_inf: Optional[torch.Tensor] = None
@@ -88,7 +91,12 @@ class WholeTensorLeaf(OptimizerLeaf):
             raise RuntimeError("WholeTensorLeaf.finish_update() without apply_update() in this step.")
         rule: WholeTensorRule = self.rule
         device = self.step.device
+        self._new_matrix_states = {}
         updates = self.exchange.run(directions, self._matrix_updates, device)
+        for key, new in self._new_matrix_states.items():  # the exchange succeeded on every rank's side
+            for name, value in new.items():
+                self.matrix_states[key][name].copy_(value)  # in place: checkpoints hold these tensors
+        self._new_matrix_states = {}
         facts = self._facts()
         found_inf, self._found_inf = self._found_inf, None
         # The step decided on the device reads lr / wd from the staged device table (a CUDA graph
@@ -117,6 +125,9 @@ class WholeTensorLeaf(OptimizerLeaf):
         ``multipliers``; per shard the expected master and state over its pieces (zero elsewhere) with
         their bounds (the rule's ``matrix_tolerance``: part 2's bound is relative to the whole matrix)."""
         rule: WholeTensorRule = self.rule
+        if self.has_matrix_state:
+            raise UnsupportedConfigError(f"verify mode has no float64 recomputation of {type(rule).__name__}'s "
+                                         f"per-matrix state yet (issue #39).")
         shards = self._owned_with_source()
         directions: dict[MatrixKey, torch.Tensor] = {}
         first_parts = []
@@ -147,6 +158,20 @@ class WholeTensorLeaf(OptimizerLeaf):
                                      {**bounds, **{n: d for n, (_, d) in last.items()}}))
         return out
 
+    def matrix_state_tensors(self) -> list[tuple[GradSource, str, torch.nn.Parameter, str, torch.Tensor]]:
+        """(model chunk, param name, param, state name, live tensor) of every per-matrix state tensor of the
+        matrices homed on this rank (checkpoints read and write them in place)."""
+        sources = self.store.sources
+        params = {piece_key(self._chunk_of[id(src)], s, i): s.params[i]
+                  for src, s in self.store.published for i in s.params}
+        return [(sources[m.key[0]], m.name, params[m.key], name, tensor)
+                for m in self.exchange.homed for name, tensor in self.matrix_states[m.key].items()]
+
+    def state_bytes(self) -> list[tuple[GradSource, str, str, int]]:
+        """The elementwise state's bytes, plus the per-matrix state this rank keeps as the home of its matrices."""
+        return super().state_bytes() + [(src, name, state, t.numel() * t.element_size())
+                                        for src, name, _, state, t in self.matrix_state_tensors()]
+
     def _facts(self) -> dict[MatrixKey, MatrixFacts]:
         return {m.key: MatrixFacts(m.shape, m.qkv_split, m.tensor_split.multiple() if m.tensor_split else (1, 1))
                 for m in self.exchange.matrices}
@@ -166,8 +191,12 @@ class WholeTensorLeaf(OptimizerLeaf):
                                               for i in indices])
             for i, o in zip(indices, done):
                 out[i] = o
+        step = int(self.step) if self.has_matrix_state else 0  # this update's 1-based count (a host read)
         for i, (u, m) in enumerate(items):
-            if m.tensor_split is None:
+            if m.tensor_split is None and self.has_matrix_state:
+                out[i], self._new_matrix_states[m.key] = rule.matrix_step(u, m.qkv_split, self.matrix_states[m.key],
+                                                                          step)
+            elif m.tensor_split is None:
                 out[i] = rule.matrix_update(u, m.qkv_split)
         return out
 

@@ -120,6 +120,11 @@ class MatrixExchange:
         # The same on every rank: whether any matrix straddles ranks (else the step moves nothing).
         self.moves = any(sum(1 for rg in m.ranges if rg[1] > rg[0]) > 1 for m in self.matrices)
 
+    @property
+    def homed(self) -> list[Matrix]:
+        """The matrices whose home is this rank, in matrix order."""
+        return list(self._homed)
+
     def run(self, directions: dict[MatrixKey, torch.Tensor], orthogonalize: Orthogonalize,
             device: torch.device, dtype: torch.dtype = torch.float32) -> dict[MatrixKey, torch.Tensor]:
         """This rank's slices of every matrix's orthogonalised update, from this rank's slices of the
