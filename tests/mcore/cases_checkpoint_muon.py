@@ -73,7 +73,7 @@ def _mark_qkv(chunk: Any, config: Any) -> None:
             param.qkv_split_shapes = split
 
 
-def build(layout_name: str, whole: dict, tp_mode: str = "blockwise") -> tuple:
+def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: str = "muon") -> tuple:
     """Megatron-LM's setup_model_and_optimizer with --optimizer muon, through megatron-core's names (inside
     _installed), from the whole model's weights ``whole`` (built outside it: megatron-core's layers take
     their TP split from parallel_state): (chunks, ddps, opt, sched, whole)."""
@@ -87,7 +87,7 @@ def build(layout_name: str, whole: dict, tp_mode: str = "blockwise") -> tuple:
     ddps = [core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
             for chunk in chunks]
     opt_config = core_optimizer.OptimizerConfig(
-        optimizer="muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9, adam_beta2=0.999,
+        optimizer=optimizer, lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9, adam_beta2=0.999,
         adam_eps=1e-8, use_distributed_optimizer=True, muon_momentum=0.9, muon_tp_mode=tp_mode,
         muon_fp32_matmul_prec="highest", log_num_zeros_in_grad=True)
     with cpu_megatron_core():

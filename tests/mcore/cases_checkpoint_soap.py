@@ -1,0 +1,66 @@
+"""Worker-side cases: SOAP's per-matrix state (optimizer='soap' through install(), megatron-core's GPTModel) in
+Megatron-LM's torch_dist formats and megatron_opt.checkpoint (tests/mcore/cases_checkpoint_muon.py's harness with
+optimizer='soap'). What is compared: every rank's per-matrix state as ``optimizer.state_dict()['matrix_state']``
+gives it (the matrices homed there), gathered to rank 0, and the losses and params of the continuation."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.mcore import cases_checkpoint_muon as ccm
+from tests.mcore import mcore_cpu
+
+
+def homed_state(opt: Any) -> dict:
+    """{(state, param key): tensor} of every rank's homed matrices, gathered to every rank (a collective)."""
+    mine = {(state, key): t for state, per_key in opt.state_dict().get("matrix_state", {}).items()
+            for key, t in per_key.items()}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    out: dict = {}
+    for part in everyone:
+        for k, t in part.items():
+            assert k not in out, f"{k} homed on two ranks"
+            out[k] = t
+    return out
+
+
+def params(chunks: list) -> dict:
+    return {n: p.detach().clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
+
+
+def run_save(path: str, before: int, after: int) -> dict:
+    """DP run: ``before`` steps, save in every format, ``after`` more steps (the uninterrupted run)."""
+    mcore_cpu.init_parallel_state()
+    layout = ccm.LAYOUTS["dp"]
+    whole = ccm.ccmp._whole_init(0, layout)
+    with ccm._installed(layout):
+        chunks, ddps, opt, sched, whole = ccm.build("dp", whole, optimizer="soap")
+        batches = ccm.plan(before + after)
+        ccm.train("dp", ddps, opt, sched, batches[:before])
+        for fmt in ccm.FORMATS:
+            ccm.save(path, fmt, chunks, ddps, opt, sched, before)
+        saved = homed_state(opt)
+        losses = ccm.train("dp", ddps, opt, sched, batches[before:])
+        return {"saved": saved, "losses": losses, "params": params(chunks)}
+
+
+def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS) -> dict:
+    """Per format: a fresh run (other weights) loads it; the per-matrix state right after, then ``after`` steps."""
+    mcore_cpu.init_parallel_state()
+    layout = ccm.LAYOUTS["dp"]
+    whole = ccm.ccmp._whole_init(1, layout)
+    out = {}
+    with ccm._installed(layout):
+        for fmt in formats:
+            chunks, ddps, opt, sched, whole = ccm.build("dp", whole, optimizer="soap")
+            ccm.load(path, fmt, chunks, ddps, opt, sched)
+            loaded = homed_state(opt)
+            losses = ccm.train("dp", ddps, opt, sched, ccm.plan(before + after)[before:])
+            out[fmt] = {"loaded": loaded, "losses": losses, "params": params(chunks)}
+    return out
+
+
+__all__ = ["run_save", "run_load", "homed_state", "torch"]
