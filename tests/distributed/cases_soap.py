@@ -1,0 +1,159 @@
+"""Worker-side cases for SOAP (optimizer='soap') through the distributed optimizer.
+
+SOAP's first steps read rounding noise: a gradient rotated into the eigenbases of its own factors is nearly
+diagonal, and Adam's normalisation (M / (sqrt(V) + eps)) lifts the off-diagonal noise (~1e-7 of the gradient in
+fp32) to +-1 wherever it exceeds eps. Two fp32 runs whose gradients differ in the last bit then differ by O(1)
+of an update, and fp32 against float64 too (docs/muon.md, "SOAP": a one-ulp change of an 8 x 8 gradient moves
+emerging-optimizers' own first update by 86%). So the comparison here feeds SOAP exact gradients: the loss is
+linear in the matrices, sum(W * C) with small integer C per rank and step, so the reduced gradient (an exact sum
+times fp32(1 / DP), as the optimizer applies it) is the same bits on every layout, and the reference is
+emerging-optimizers' SOAP (megatron-core's configuration, fp32) fed those bits.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import megatron_opt as mo
+import megatron_opt.checkpoint as ckpt
+
+SHAPES = {"a": (10, 10), "b": (12, 10), "c": (7, 13)}  # 100 + 120 + 91 elements: straddling the shards at DP 2-4
+MATRICES = sorted(f"{n}.weight" for n in SHAPES)
+LR, WEIGHT_DECAY, BETAS = 0.02, 0.1, (0.9, 0.95)
+
+
+class SoapNet(torch.nn.Module):
+    """Three matrices (SOAP's: 2-D, not marked as embedding or output) and a loss linear in them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(11)
+        for name, shape in SHAPES.items():
+            layer = torch.nn.Linear(shape[1], shape[0], bias=False)
+            with torch.no_grad():
+                layer.weight.copy_(torch.randn(shape, generator=g) * 0.4)
+            self.add_module(name, layer)
+
+    def forward(self, coefficients: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((getattr(self, n).weight * c).sum() for n, c in coefficients.items())
+
+
+def coefficients(step: int, rank: int) -> dict[str, torch.Tensor]:
+    """Integers in [-8, 8]: every sum over ranks is exact in fp32."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return {n: torch.randint(-8, 9, shape, generator=g).float() for n, shape in SHAPES.items()}
+
+
+def exact_gradient(step: int, world: int) -> dict[str, torch.Tensor]:
+    """The global gradient as the optimizer applies it: the exact sum over ranks times fp32(1 / world)."""
+    scale = torch.tensor(1.0 / world, dtype=torch.float32)
+    return {f"{n}.weight": sum(coefficients(step, r)[n] for r in range(world)) * scale for n in SHAPES}
+
+
+def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, **options):
+    model = SoapNet()
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+    cfg = mo.OptimizerConfig(optimizer="soap", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
+                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], use_distributed_optimizer=True,
+                             soap_use_kl_shampoo=use_kl_shampoo, soap_shampoo_beta=shampoo_beta, **options)
+    return model, ddp, mo.get_megatron_optimizer(cfg, ddp)
+
+
+def _step(ddp, opt, step: int, same_on_every_rank: bool = False):
+    """One step; ``same_on_every_rank``: every rank's coefficients are rank 0's, so the reduced gradient (an exact
+    multiple, times fp32(1 / DP)) is the same bits at every DP size (1, 2, 3 and 4)."""
+    ddp.zero_grad_buffer()
+    ddp(coefficients(step, 0 if same_on_every_rank else dist.get_rank())).backward()
+    out = opt.step()
+    ddp.finish_param_sync()
+    return out
+
+
+def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95) -> dict:
+    """``steps`` steps of megatron_opt's SOAP and of emerging-optimizers' fed the same exact gradient: per step the
+    params' error relative to the change since the start, the grad norm's, and this rank's homed L and R against
+    the reference's."""
+    from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
+
+    world = dist.get_world_size()
+    model, ddp, opt = build(use_kl_shampoo, shampoo_beta)
+    ref = SoapNet()
+    ref_params = dict(ref.named_parameters())
+    reference = EmergingSOAP(list(ref_params.values()), lr=LR, betas=BETAS, shampoo_beta=shampoo_beta, eps=1e-8,
+                             weight_decay=WEIGHT_DECAY, use_kl_shampoo=use_kl_shampoo)
+    initial = {n: p.detach().clone() for n, p in ref_params.items()}
+    out = dict(success=[], param_err=[], norm_err=[], factor_err=[], homed=[])
+    for step in range(steps):
+        success, norm, _ = _step(ddp, opt, step)
+        grads = exact_gradient(step, world)
+        for n, p in ref_params.items():
+            p.grad = grads[n].clone()
+        reference.step()
+        out["success"].append(bool(success))
+        ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
+        out["norm_err"].append(abs(norm - ref_norm) / ref_norm)
+        out["param_err"].append({n: float((p.detach() - ref_params[n].detach()).norm()
+                                          / (ref_params[n].detach() - initial[n]).norm())
+                                 for n, p in model.named_parameters()})
+        homed = opt.state_dict().get("matrix_state", {})
+        out["homed"] = sorted(homed.get("L", {}))
+        out["factor_err"].append({f"{n}:{f}": float((t - reference.state[ref_params[n]][f]).norm()
+                                                    / reference.state[ref_params[n]][f].norm())
+                                  for f in ("L", "R") for n, t in homed.get(f, {}).items()})
+    return out
+
+
+def resume(path: str, phase: str, steps: int, resave_path: str = "") -> dict:
+    """'straight': ``steps`` steps. 'first': half, then megatron_opt.checkpoint.save. 'second': load (at this pool's
+    DP size), save again as ``resave_path``, then the other half. Returns the params and this rank's per-matrix
+    state."""
+    model, ddp, opt = build()
+    half = steps // 2
+    if phase == "straight":
+        for step in range(steps):
+            _step(ddp, opt, step, same_on_every_rank=True)
+    elif phase == "first":
+        for step in range(half):
+            _step(ddp, opt, step, same_on_every_rank=True)
+        ckpt.save(path, ddp, opt, iteration=half)
+    else:
+        ckpt.load(path, ddp, opt)
+        ckpt.save(resave_path, ddp, opt, iteration=half)
+        for step in range(half, steps):
+            _step(ddp, opt, step, same_on_every_rank=True)
+    return dict(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                matrix_state=opt.state_dict().get("matrix_state", {}))
+
+
+def state_dict_round_trip(steps: int) -> dict:
+    """The in-memory state_dict at the same DP size: save after ``steps``, train one more, load it into a fresh
+    optimizer, train the same step: both must agree bitwise."""
+    model, ddp, opt = build()
+    for step in range(steps):
+        _step(ddp, opt, step)
+    saved = opt.state_dict()
+    _step(ddp, opt, steps)
+    straight = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model2, ddp2, opt2 = build()
+    opt2.load_state_dict(saved)
+    _step(ddp2, opt2, steps)
+    again = {n: p.detach().clone() for n, p in model2.named_parameters()}
+    return dict(equal={n: bool(torch.equal(straight[n], again[n])) for n in straight},
+                homed=sorted(saved.get("matrix_state", {}).get("L", {})))
+
+
+def state_dict_without_matrix_state() -> str:
+    """A state_dict whose per-matrix state was dropped must be refused, naming it, on every rank."""
+    _, ddp, opt = build()
+    _step(ddp, opt, 0)
+    saved = opt.state_dict()
+    saved.pop("matrix_state", None)
+    try:
+        opt.load_state_dict(saved)
+    except ValueError as exc:
+        return str(exc)
+    return "loaded"
+
+
+__all__ = ["SoapNet", "MATRICES", "train", "resume", "state_dict_round_trip", "state_dict_without_matrix_state"]
