@@ -94,3 +94,25 @@ def test_soap_matrix_step_is_emerging_optimizers_soap():
         assert float((master - p.detach()).abs().max()) <= 1e-5 * change, f"step {t}"
         for name in ("L", "R"):
             assert torch.equal(state[name], theirs.state[p][name]), f"step {t} {name}"
+
+
+def test_megatron_cores_soap_moves_by_o1_for_a_one_ulp_gradient_change():
+    """The calibration of every SOAP comparison across roundings (docs/muon.md, "SOAP"): emerging-optimizers' SOAP
+    as megatron-core configures it, on an 8 x 8 matrix with a full-rank gradient, moves its first update by O(1)
+    when the gradient changes by one ulp: the gradient rotated into its own factors' eigenbases is diagonal, and
+    Adam's normalisation lifts the off-diagonal rounding noise (~1e-7 of it, above eps=1e-8) to +-1. So the
+    distributed tests feed exact gradients, and the real-loop figures differ after the first update."""
+    torch = pytest.importorskip("torch")
+    soap_module = pytest.importorskip("emerging_optimizers.soap.soap")
+
+    def first_update(grad: torch.Tensor) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.zeros(8, 8))
+        opt = soap_module.SOAP([p], lr=1.0, betas=(0.9, 0.999), weight_decay=0.0, use_kl_shampoo=True)
+        p.grad = grad
+        opt.step()
+        return -p.detach()
+
+    grad = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 1e-2
+    a = first_update(grad.clone())
+    b = first_update(torch.nextafter(grad, torch.full_like(grad, 1.0)))
+    assert float((a - b).norm() / a.norm()) > 0.1

@@ -53,6 +53,9 @@ class SOAP(WholeTensorRule):
     name: ClassVar[str] = "soap"
     aliases: ClassVar[tuple[str, ...]] = ()
     precision_aware: ClassVar[bool] = False
+    # Its per-matrix state is 4 (2 m^2 + 2 n^2 + 2 m n) bytes and its step ~m^3 + n^3: balancing them over every
+    # rank, not only the matrix's owners, is worth moving the whole matrix (docs/benchmarks.md, "SOAP's state").
+    homes_anywhere: ClassVar[bool] = True
 
     @classmethod
     def check_config(cls, config: Any) -> None:

@@ -12,7 +12,7 @@ A rule of the family declares:
   ``direction_state`` names what part 1 updates, ``finish_state`` what part 3 updates) and per-matrix state
   (``matrix_state``: lives once, at the matrix's home, and is read and replaced by ``matrix_step``: SOAP's);
 * its cost model for the home balance (``steady_cost`` every step, ``periodic_cost`` every ``period`` steps,
-  such as a preconditioner refresh; ``home_cost`` combines them);
+  such as a preconditioner refresh; ``home_cost`` combines them) and where homes may be (``homes_anywhere``);
 * its step in three parts: ``direction`` (elementwise, owned ranges), ``matrix_update`` (the whole matrix, at
   its home; ``matrix_step`` with per-matrix state), ``finish`` (elementwise, owned ranges: decay and the step);
 * its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``).
@@ -48,6 +48,9 @@ class WholeTensorRule(UpdateRule):
     """The base of the whole-tensor family (see the module docstring)."""
 
     needs: ClassVar[Needs] = Needs.WHOLE_TENSORS
+    # Whether any rank of the data-parallel group may be a matrix's home, not only its owners (homes.assign_homes):
+    # for rules whose per-matrix work and state outweigh moving the whole matrix (SOAP); Muon keeps owners only.
+    homes_anywhere: ClassVar[bool] = False
     direction_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 1 updates
     finish_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 3 updates
 

@@ -49,7 +49,8 @@ class WholeTensorLeaf(OptimizerLeaf):
                                        qkv_split_of=rule.qkv_split_of, pieces_of=rule.pieces,
                                        cost_of=lambda m: rule.home_cost(m.shape, m.pieces),
                                        tensor_split_of=lambda p, shard: tensor_split_of(
-                                           p, shard.tensor_parallel_group, rule.tensor_parallel_mode))
+                                           p, shard.tensor_parallel_group, rule.tensor_parallel_mode),
+                                       homes_anywhere=rule.homes_anywhere)
         # Per-matrix state (SOAP's): once, at each matrix's home, replaced whole after each exchange succeeded.
         self.has_matrix_state = any(rule.matrix_state(m.shape) for m in self.exchange.matrices)
         if self.has_matrix_state and any(m.tensor_split is not None for m in self.exchange.matrices):

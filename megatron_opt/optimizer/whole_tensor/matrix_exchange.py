@@ -62,11 +62,13 @@ class MatrixExchange:
     def __init__(self, shards: Sequence[tuple[int, LocalShard]], selects: Callable[[torch.nn.Parameter], bool],
                  qkv_split_of: Callable[[str, torch.nn.Parameter], Optional[tuple[int, ...]]],
                  pieces_of: Callable[[tuple[int, int], Optional[tuple[int, ...]]], int],
-                 cost_of: Callable[[MatrixPlacement], float], tensor_split_of: Optional[TensorSplitOf] = None) -> None:
+                 cost_of: Callable[[MatrixPlacement], float], tensor_split_of: Optional[TensorSplitOf] = None,
+                 homes_anywhere: bool = False) -> None:
         """``shards``: (model chunk index, shard) for every published shard (also those holding no piece
         here); ``selects``: which params are matrices of this stage; ``cost_of``: the rule's cost of a
         matrix's update at its home (the balance of the homes); ``tensor_split_of``: which are
-        orthogonalised across tensor parallelism, and how (None: none)."""
+        orthogonalised across tensor parallelism, and how (None: none); ``homes_anywhere``: any rank of the group
+        may be a matrix's home, not only its owners (``homes.assign_homes``)."""
         # One exchange runs over one data-parallel group: the dense or the expert one (get_megatron_optimizer
         # gives each its own leaf), with partial sharding one optimizer instance of it (the instances hold
         # bitwise-equal gradients, so each computes the same update). Chunks may hold equal groups apart.
@@ -108,7 +110,7 @@ class MatrixExchange:
         placements = [MatrixPlacement(shape=shape, owned=tuple(e - s for s, e in (r[j] for r in everyone)),
                                       pieces=pieces_of(shape, split))
                       for j, (shape, split) in enumerate(zip(shapes, splits))]
-        homes = assign_homes(placements, self.size, cost=cost_of) if placements else []
+        homes = assign_homes(placements, self.size, cost=cost_of, anywhere=homes_anywhere) if placements else []
         self.matrices = [Matrix(k, described[k][0], shapes[j], tuple(r[j] for r in everyone), homes[j], splits[j],
                                 tensor_splits[k]) for j, k in enumerate(keys)]
         self._check_tensor_parallel_peers()
