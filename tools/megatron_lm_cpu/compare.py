@@ -63,7 +63,9 @@ MUON_LAYOUTS = {"DP2-muon": MUON,
                # the rest of the whole-tensor family (issue 39): megatron-core's as Muon's (LayerWise / in fp32 its
                # non-distributed optimizer) against megatron_opt's sharded rule
                "DP2-adaptive_muon": ["--optimizer", "adaptive_muon", "--muon-fp32-matmul-prec", "high"],
-               "DP2-soap": ["--optimizer", "soap"]}
+               "DP2-soap": ["--optimizer", "soap"],
+               "TP2-soap": ["--optimizer", "soap", "--tensor-model-parallel-size", "2"],
+               "PP2-soap": ["--optimizer", "soap", "--pipeline-model-parallel-size", "2"]}
 # megatron-core's reference for a Muon run: its LayerWiseDistributedOptimizer with UNDER_TEST's flags, except in
 # fp32, where Megatron-LM main d98e8a64's LayerWise chain fails at start-up (ChainedOptimizer asserts one config for
 # LayerWise and its fp32 DistributedOptimizer child): there the reference is its non-distributed Muon.
