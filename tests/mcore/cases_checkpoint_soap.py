@@ -14,8 +14,12 @@ from tests.mcore import mcore_cpu
 
 
 def homed_state(opt: Any) -> dict:
-    """{(state, param key): tensor} of every rank's homed matrices, gathered to every rank (a collective)."""
-    mine = {(state, key): t for state, per_key in opt.state_dict().get("matrix_state", {}).items()
+    """{(state, param key, TP rank): tensor} of every rank's homed matrices (a TP rank's are its blocks), gathered
+    to every rank (a collective)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    mine = {(state, key, tp): t for state, per_key in opt.state_dict().get("matrix_state", {}).items()
             for key, t in per_key.items()}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -31,36 +35,47 @@ def params(chunks: list) -> dict:
     return {n: p.detach().clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
 
 
-def run_save(path: str, before: int, after: int) -> dict:
-    """DP run: ``before`` steps, save in every format, ``after`` more steps (the uninterrupted run)."""
+def run_save(path: str, before: int, after: int, layout_name: str = "dp") -> dict:
+    """``before`` steps, save in every format, ``after`` more steps (the uninterrupted run); ``layout_name``:
+    cases_checkpoint_muon's ('dp', or 'tp2': blockwise, each TP block's state at its home)."""
     mcore_cpu.init_parallel_state()
-    layout = ccm.LAYOUTS["dp"]
+    layout = ccm.LAYOUTS[layout_name]
     whole = ccm.ccmp._whole_init(0, layout)
     with ccm._installed(layout):
-        chunks, ddps, opt, sched, whole = ccm.build("dp", whole, optimizer="soap")
+        chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer="soap")
         batches = ccm.plan(before + after)
-        ccm.train("dp", ddps, opt, sched, batches[:before])
+        ccm.train(layout_name, ddps, opt, sched, batches[:before])
         for fmt in ccm.FORMATS:
             ccm.save(path, fmt, chunks, ddps, opt, sched, before)
         saved = homed_state(opt)
-        losses = ccm.train("dp", ddps, opt, sched, batches[before:])
+        losses = ccm.train(layout_name, ddps, opt, sched, batches[before:])
         return {"saved": saved, "losses": losses, "params": params(chunks)}
 
 
-def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS) -> dict:
+def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, layout_name: str = "dp") -> dict:
     """Per format: a fresh run (other weights) loads it; the per-matrix state right after, then ``after`` steps."""
     mcore_cpu.init_parallel_state()
-    layout = ccm.LAYOUTS["dp"]
+    layout = ccm.LAYOUTS[layout_name]
     whole = ccm.ccmp._whole_init(1, layout)
     out = {}
     with ccm._installed(layout):
         for fmt in formats:
-            chunks, ddps, opt, sched, whole = ccm.build("dp", whole, optimizer="soap")
+            chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer="soap")
             ccm.load(path, fmt, chunks, ddps, opt, sched)
             loaded = homed_state(opt)
-            losses = ccm.train("dp", ddps, opt, sched, ccm.plan(before + after)[before:])
+            losses = ccm.train(layout_name, ddps, opt, sched, ccm.plan(before + after)[before:])
             out[fmt] = {"loaded": loaded, "losses": losses, "params": params(chunks)}
     return out
 
 
-__all__ = ["run_save", "run_load", "homed_state", "torch"]
+
+def load_refused(path: str, fmt: str, layout_name: str) -> str:
+    """The message of a load refused (every rank), or 'loaded'."""
+    try:
+        run_load(path, 0, 0, (fmt,), layout_name)
+    except Exception as exc:  # noqa: BLE001  (the message is what the test reads)
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+__all__ = ["run_save", "run_load", "load_refused", "homed_state", "torch"]
