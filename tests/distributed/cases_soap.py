@@ -50,10 +50,12 @@ def exact_gradient(step: int, world: int) -> dict[str, torch.Tensor]:
     return {f"{n}.weight": sum(coefficients(step, r)[n] for r in range(world)) * scale for n in SHAPES}
 
 
-def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, **options):
+def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1, **options):
+    """``instances``: partial sharding (num_distributed_optimizer_instances): each instance homes every matrix."""
     model = SoapNet()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
+        num_distributed_optimizer_instances=instances))
     cfg = mo.OptimizerConfig(optimizer="soap", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
                              adam_beta1=BETAS[0], adam_beta2=BETAS[1], use_distributed_optimizer=True,
                              soap_use_kl_shampoo=use_kl_shampoo, soap_shampoo_beta=shampoo_beta, **options)
@@ -70,14 +72,14 @@ def _step(ddp, opt, step: int, same_on_every_rank: bool = False):
     return out
 
 
-def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95) -> dict:
+def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1) -> dict:
     """``steps`` steps of megatron_opt's SOAP and of emerging-optimizers' fed the same exact gradient: per step the
     params' error relative to the change since the start, the grad norm's, and this rank's homed L and R against
     the reference's."""
     from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
 
     world = dist.get_world_size()
-    model, ddp, opt = build(use_kl_shampoo, shampoo_beta)
+    model, ddp, opt = build(use_kl_shampoo, shampoo_beta, instances)
     ref = SoapNet()
     ref_params = dict(ref.named_parameters())
     reference = EmergingSOAP(list(ref_params.values()), lr=LR, betas=BETAS, shampoo_beta=shampoo_beta, eps=1e-8,

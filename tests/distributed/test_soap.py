@@ -20,7 +20,7 @@ PARAM, FACTOR, NORM = 1e-5, 1e-6, 1e-6
 TIMEOUT = 240
 
 
-def _check(results, steps):
+def _check(results, steps, instances=1):
     homed = []
     for rank, res in enumerate(results):
         assert res["success"] == [True] * steps
@@ -31,12 +31,17 @@ def _check(results, steps):
             for name, e in ferr.items():
                 assert e <= FACTOR, f"rank {rank} step {step} {name}: Kronecker factor error {e} of its norm"
         homed += res["homed"]
-    assert sorted(homed) == cases_soap.MATRICES  # every matrix homed once, its state there
+    assert sorted(homed) == sorted(cases_soap.MATRICES * instances)  # every matrix homed once per instance
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_soap_matches_emerging_optimizers_soap(pools, world):
     _check(pools(world).run(cases_soap.train, 5, timeout=TIMEOUT), 5)
+
+
+def test_soap_with_partial_sharding(pools):
+    """DP 4 in two optimizer instances: each instance homes every matrix once and computes the same update."""
+    _check(pools(4).run(cases_soap.train, 3, instances=2, timeout=TIMEOUT), 3, instances=2)
 
 
 def test_soap_plain_shampoo_other_beta(pools):
