@@ -50,14 +50,16 @@ def exact_gradient(step: int, world: int) -> dict[str, torch.Tensor]:
     return {f"{n}.weight": sum(coefficients(step, r)[n] for r in range(world)) * scale for n in SHAPES}
 
 
-def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1, **options):
-    """``instances``: partial sharding (num_distributed_optimizer_instances): each instance homes every matrix."""
+def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1, overlap: bool = True,
+          bucket_size=None, sharded: bool = True, weight_decay: float = WEIGHT_DECAY, **options):
+    """``instances``: partial sharding (num_distributed_optimizer_instances): each instance homes every matrix;
+    ``sharded`` False: no distributed optimizer (every rank homes every matrix)."""
     model = SoapNet()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
-        num_distributed_optimizer_instances=instances))
-    cfg = mo.OptimizerConfig(optimizer="soap", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0,
-                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], use_distributed_optimizer=True,
+        use_distributed_optimizer=sharded, overlap_grad_reduce=overlap, overlap_param_gather=overlap and sharded,
+        grad_reduce_in_fp32=True, num_distributed_optimizer_instances=instances, bucket_size=bucket_size))
+    cfg = mo.OptimizerConfig(optimizer="soap", lr=LR, weight_decay=weight_decay, clip_grad=0.0,
+                             adam_beta1=BETAS[0], adam_beta2=BETAS[1], use_distributed_optimizer=sharded,
                              soap_use_kl_shampoo=use_kl_shampoo, soap_shampoo_beta=shampoo_beta, **options)
     return model, ddp, mo.get_megatron_optimizer(cfg, ddp)
 
@@ -72,18 +74,19 @@ def _step(ddp, opt, step: int, same_on_every_rank: bool = False):
     return out
 
 
-def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1) -> dict:
+def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1,
+          **layout) -> dict:
     """``steps`` steps of megatron_opt's SOAP and of emerging-optimizers' fed the same exact gradient: per step the
     params' error relative to the change since the start, the grad norm's, and this rank's homed L and R against
     the reference's."""
     from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
 
     world = dist.get_world_size()
-    model, ddp, opt = build(use_kl_shampoo, shampoo_beta, instances)
+    model, ddp, opt = build(use_kl_shampoo, shampoo_beta, instances, **layout)
     ref = SoapNet()
     ref_params = dict(ref.named_parameters())
     reference = EmergingSOAP(list(ref_params.values()), lr=LR, betas=BETAS, shampoo_beta=shampoo_beta, eps=1e-8,
-                             weight_decay=WEIGHT_DECAY, use_kl_shampoo=use_kl_shampoo)
+                             weight_decay=layout.get("weight_decay", WEIGHT_DECAY), use_kl_shampoo=use_kl_shampoo)
     initial = {n: p.detach().clone() for n, p in ref_params.items()}
     out = dict(success=[], param_err=[], norm_err=[], factor_err=[], homed=[])
     for step in range(steps):

@@ -8,6 +8,9 @@ about a minute on two cores. ``MEGATRON_OPT_FUZZ_PROFILE=long`` draws many more,
 ``MEGATRON_OPT_FUZZ_SEED`` (default 0). A failure prints the seed and the combination.
 A second test draws Muon combinations (muon_* options, DP size, sharding, buckets, precision, overlap)
 against the float64 Muon reference: 2 draws plus one explicit combination by default, 150 in the long profile.
+A third draws SOAP combinations (DP size, sharding, partial-sharding instances, buckets, overlap, KL-Shampoo,
+shampoo_beta, weight decay) against emerging-optimizers' SOAP fed the same exact gradients
+(tests/distributed/cases_soap.py): 2 draws by default, 60 in the long profile.
 """
 from __future__ import annotations
 
@@ -158,3 +161,45 @@ def test_muon_composition_against_float64_reference_with_verify_mode(pools, c):
         for key in bound:
             for step, err in enumerate(r[key]):
                 assert err <= bound[key], f"{where} rank={rank} step={step}: {key} error {err:.3g} > {bound[key]}"
+
+
+# ----------------------------------------------------------------------------- the SOAP axis
+SOAP_EXAMPLES = {"default": 2, "long": 60}[PROFILE]
+
+
+@st.composite
+def soap_combinations(draw) -> dict:
+    world = draw(st.integers(1, 4))
+    sharded = draw(st.booleans()) if world > 1 else True
+    overlap = draw(st.booleans())
+    return dict(world=world, sharded=sharded,
+                instances=draw(st.sampled_from([k for k in (1, 2) if world % k == 0 and k < world])) if sharded
+                and world > 1 else 1,
+                overlap=overlap, bucket_size=draw(st.sampled_from([None, 100, 250])) if overlap else None,
+                use_kl_shampoo=draw(st.booleans()), shampoo_beta=draw(st.sampled_from([0.95, 0.8, 0.5])),
+                weight_decay=draw(st.sampled_from([0.0, 0.1])))
+
+
+@pytest.mark.timeout(600)
+@seed(FUZZ_SEED)
+@settings(derandomize=PROFILE != "long", **dict(_SETTINGS, max_examples=SOAP_EXAMPLES))
+@given(c=soap_combinations())
+def test_soap_composition_against_emerging_optimizers_soap(pools, c):
+    """tests/distributed/test_soap.py's bounds: params 1e-5 of their change, the factors 1e-6, the grad norm 1e-6;
+    every matrix homed once per optimizer instance (every rank, unsharded)."""
+    where = f"MEGATRON_OPT_FUZZ_PROFILE={PROFILE} MEGATRON_OPT_FUZZ_SEED={FUZZ_SEED} soap combination={c}"
+    note(where)
+    from tests.distributed import cases_soap
+
+    options = {k: v for k, v in c.items() if k != "world"}
+    results = pools(c["world"]).run(cases_soap.train, 3, timeout=TIMEOUT_S, **options)
+    homes = []
+    for rank, r in enumerate(results):
+        assert r["success"] == [True] * 3, where
+        for step in range(3):
+            assert r["norm_err"][step] <= 1e-6, f"{where} rank={rank} step={step}"
+            assert max(r["param_err"][step].values()) <= 1e-5, f"{where} rank={rank} step={step}: {r['param_err']}"
+            assert max(r["factor_err"][step].values(), default=0.0) <= 1e-6, f"{where} rank={rank} step={step}"
+        homes += r["homed"]
+    copies = c["world"] if not c["sharded"] else c["instances"]
+    assert sorted(homes) == sorted(cases_soap.MATRICES * copies), where

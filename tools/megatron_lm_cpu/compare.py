@@ -63,6 +63,10 @@ MUON_LAYOUTS = {"DP2-muon": MUON,
                # the rest of the whole-tensor family (issue 39): megatron-core's as Muon's (LayerWise / in fp32 its
                # non-distributed optimizer) against megatron_opt's sharded rule
                "DP2-adaptive_muon": ["--optimizer", "adaptive_muon", "--muon-fp32-matmul-prec", "high"],
+               "TP2-adaptive_muon": ["--optimizer", "adaptive_muon", "--muon-fp32-matmul-prec", "high",
+                                     "--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"],
+               "PP2-adaptive_muon": ["--optimizer", "adaptive_muon", "--muon-fp32-matmul-prec", "high",
+                                     "--pipeline-model-parallel-size", "2"],
                "DP2-soap": ["--optimizer", "soap"],
                "TP2-soap": ["--optimizer", "soap", "--tensor-model-parallel-size", "2"],
                "PP2-soap": ["--optimizer", "soap", "--pipeline-model-parallel-size", "2"]}
