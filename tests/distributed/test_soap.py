@@ -39,6 +39,13 @@ def test_soap_matches_emerging_optimizers_soap(pools, world):
     _check(pools(world).run(cases_soap.train, 5, timeout=TIMEOUT), 5)
 
 
+def test_soap_homed_off_its_only_owner(pools):
+    """Buckets of 100 elements at DP 3: no matrix straddles ranks, and a matrix wholly on one rank is homed on
+    another (homes anywhere), so the exchange must still run (found by the fuzzer: it was skipped, and the home
+    read an empty buffer, inf)."""
+    _check(pools(3).run(cases_soap.train, 2, use_kl_shampoo=False, bucket_size=100, timeout=TIMEOUT), 2)
+
+
 def test_soap_with_partial_sharding(pools):
     """DP 4 in two optimizer instances: each instance homes every matrix once and computes the same update."""
     _check(pools(4).run(cases_soap.train, 3, instances=2, timeout=TIMEOUT), 3, instances=2)

@@ -119,8 +119,9 @@ class MatrixExchange:
         self._homed = [m for m in self.matrices if m.home == r]
         self.input_splits = [sum(m.owned(r) for m in self._sent if m.home == d) for d in range(self.size)]
         self.output_splits = [sum(m.owned(s) for m in self._homed) if s != r else 0 for s in range(self.size)]
-        # The same on every rank: whether any matrix straddles ranks (else the step moves nothing).
-        self.moves = any(sum(1 for rg in m.ranges if rg[1] > rg[0]) > 1 for m in self.matrices)
+        # The same on every rank: whether any rank other than a matrix's home owns part of it (else the step
+        # moves nothing). With homes anywhere a matrix wholly on one rank may be homed on another.
+        self.moves = any(rg[1] > rg[0] for m in self.matrices for s, rg in enumerate(m.ranges) if s != m.home)
 
     @property
     def homed(self) -> list[Matrix]:
