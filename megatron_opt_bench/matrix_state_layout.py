@@ -28,10 +28,7 @@ the update slice back, fp32 (``muon_sends_per_rank``, the same exchange as Muon'
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_opt.optimizer.rules.soap import SOAP
@@ -39,7 +36,7 @@ from megatron_opt.optimizer.whole_tensor.homes import MatrixPlacement, assign_ho
 
 from .gpt_params import GptParam, gpt_params, is_muon_matrix
 from .muon_layout import (DTYPES, MUON_BYTES, PRESETS, buffer_layout, muon_placements, muon_sends_per_rank,
-                          owned_elements, zero1_sends_per_rank)
+                          owned_elements, write_report, zero1_sends_per_rank)
 
 
 def matrix_state_bytes(shape: Sequence[int]) -> int:
@@ -160,11 +157,7 @@ def main(argv=None) -> int:
     rows = [soap_layout_row(m, d, dp) for m in models for d in dtypes for dp in dps]
     print(markdown_table(rows))
     if args.json:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(["scripts/bench_soap_layout.py", *(sys.argv[1:] if argv is None else argv)]),
-                  "rows": [asdict(r) for r in rows]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(args.json, "scripts/bench_soap_layout.py", argv, rows)
     return 0
 
 

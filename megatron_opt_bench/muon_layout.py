@@ -275,13 +275,18 @@ def main(argv=None) -> int:
     print()
     print(memory_table(rows))
     if args.json:
-        report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "command": " ".join(["scripts/bench_muon_layout.py", *(sys.argv[1:] if argv is None else argv)]),
-                  "rows": [asdict(r) for r in rows]}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(args.json, "scripts/bench_muon_layout.py", argv, rows)
     return 0
 
 
+def write_report(path: str, script: str, argv: Optional[Sequence[str]], rows: Sequence) -> None:
+    """The rows (dataclasses) as JSON at ``path``, with the date and the command that made them."""
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([script, *(sys.argv[1:] if argv is None else argv)]),
+              "rows": [asdict(r) for r in rows]}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 __all__ = ["LayoutRow", "buffer_layout", "layout_row", "main", "markdown_table", "memory_table", "muon_placements",
-           "owned_elements", "state_bytes_per_rank"]
+           "owned_elements", "state_bytes_per_rank", "write_report"]
