@@ -245,11 +245,13 @@ class Checkpointer:
         group = _new_group()
 
         def read() -> None:
-            with dcp_failures(f"reading {folder}"):
-                saved = saved_tensor_shapes(dcp.FileSystemReader(str(folder)).read_metadata())
-            missing = model_space.missing_matrix_state(opt, places, saved)
-            if missing:
-                raise CheckpointError(f"{folder}: {missing}")
+            needed = model_space.matrix_state_keys(opt, places)
+            if needed:  # a whole-tensor rule's per-matrix state: refuse another TP split by name, before reading
+                with dcp_failures(f"reading {folder}"):
+                    saved = saved_tensor_shapes(dcp.FileSystemReader(str(folder)).read_metadata())
+                missing = model_space.missing_matrix_state(needed, saved)
+                if missing:
+                    raise CheckpointError(f"{folder}: {missing}")
             with warnings.catch_warnings(), dcp_failures(f"reading {folder}"):
                 warnings.simplefilter("ignore", UserWarning)
                 dcp.load(dest, storage_reader=dcp.FileSystemReader(str(folder)), planner=ModelSpaceLoadPlanner(),

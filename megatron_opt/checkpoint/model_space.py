@@ -166,13 +166,15 @@ def matrix_state_key(m: MatrixStateTensor, places: dict[str, Placement]) -> str:
     return f"optim/matrix/{m.state}/{place.key}@{block}"
 
 
-def missing_matrix_state(optimizer: Optional[OptimizerStateView], places: dict[str, Placement],
-                         saved_keys: Any) -> Optional[str]:
-    """Why the checkpoint cannot give this rank its per-matrix state (None when it can)."""
-    if optimizer is None:
-        return None
-    missing = [matrix_state_key(m, places) for m in homed_matrix_state(optimizer)
-               if matrix_state_key(m, places) not in saved_keys]
+def matrix_state_keys(optimizer: Optional[OptimizerStateView], places: dict[str, Placement]) -> list[str]:
+    """The checkpoint keys of the per-matrix state this rank reads (none without a whole-tensor rule's)."""
+    return [] if optimizer is None else [matrix_state_key(m, places) for m in homed_matrix_state(optimizer)]
+
+
+def missing_matrix_state(keys: Sequence[str], saved_keys: Any) -> Optional[str]:
+    """Why a checkpoint holding ``saved_keys`` cannot give this rank its per-matrix state ``keys`` (None when it
+    can)."""
+    missing = [k for k in keys if k not in saved_keys]
     if not missing:
         return None
     return (f"it holds no {missing[0]} ({len(missing)} per-matrix state tensor(s) missing): the per-matrix state of "
@@ -263,7 +265,7 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
                 chunk.finish_param_sync()
         else:
             for m in homed_matrix_state(optimizer):
-                m.tensor.copy_(dest[matrix_state_key(m, places)])
+                m.write(dest[matrix_state_key(m, places)])
             optimizer.load_scalar_state(dest["optim/scalars"])
             optimizer.sync_params_from_masters()
     if scheduler is not None:
@@ -271,5 +273,6 @@ def apply_loaded_state(dest: dict[str, Any], chunks: Sequence[GradSource], optim
 
 
 __all__ = ["FORMAT", "as_chunks", "check_optimizer", "is_model_parallel", "model_parallel_sizes", "data_parallel_size",
-           "fingerprint", "Staging", "rank_key", "build_save_state", "matrix_state_key", "missing_matrix_state",
+           "fingerprint", "Staging", "rank_key", "build_save_state", "matrix_state_key", "matrix_state_keys",
+           "missing_matrix_state",
            "build_load_destination", "nonfinite_optimizer_state", "apply_loaded_state"]

@@ -106,7 +106,7 @@ def load(view: OptimizerStateView, state_dict: dict) -> None:
         for s in owned_slices(view):
             s.write(_saved_part(state_dict, s))
         for m in homed_matrix_state(view):
-            m.tensor.copy_(_saved_matrix_state(state_dict, m))
+            m.write(_saved_matrix_state(state_dict, m))
         view.load_scalar_state(state_dict["scalars"])
         view.sync_params_from_masters()
 

@@ -161,8 +161,10 @@ def child_sharded_state_dict(child: Any, model_sharded_state_dict: Any, is_loadi
     shards = _shards(child)
     instance = shards[0].instance_rank if shards else 0
     common = common_state(child)
+    with_matrix_state = any(leaf.matrix_state for leaf in child.state_leaves())  # a whole-tensor rule's (SOAP's)
+    params = (layouts.model_params_by_identity(model_sharded_state_dict)
+              if kind == layouts.FULLY_RESHARDABLE or with_matrix_state else {})
     if kind == layouts.FULLY_RESHARDABLE:
-        params = layouts.model_params_by_identity(model_sharded_state_dict)
         param_state: Any = layouts.fully_reshardable_state(child, params, instance, is_loading)
     else:
         prefix = f"optimizer.distributed.dp_group_idx_{_dp_group_idx(child, leaf.expert_parallel)}"
@@ -175,9 +177,8 @@ def child_sharded_state_dict(child: Any, model_sharded_state_dict: Any, is_loadi
             param_state[name] = ShardedObject(f"{prefix}.{name}", layouts.bucket_numels(places, unpadded), (1,), (0,),
                                               replica_id=replica)
     out = {**common, "param_state": param_state, "param_state_sharding_type": kind}
-    if any(leaf.matrix_state for leaf in child.state_leaves()):  # a whole-tensor rule's (SOAP's), in any format
-        out["matrix_state"] = layouts.matrix_state_entries(
-            child, layouts.model_params_by_identity(model_sharded_state_dict), instance, is_loading)
+    if with_matrix_state:  # in any format
+        out["matrix_state"] = layouts.matrix_state_entries(child, params, instance, is_loading)
     return out
 
 

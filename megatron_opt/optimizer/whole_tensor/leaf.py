@@ -96,7 +96,9 @@ class WholeTensorLeaf(OptimizerLeaf):
         updates = self.exchange.run(directions, self._matrix_updates, device)
         for key, new in self._new_matrix_states.items():  # the exchange succeeded on every rank's side
             for name, value in new.items():
-                self.matrix_states[key][name].copy_(value)  # in place: checkpoints hold these tensors
+                # Into the kept tensor, contiguous as it was made: a step's GEMMs round by the operands' layout,
+                # so a run resumed from a checkpoint (loaded into these tensors) stays bitwise the straight run.
+                self.matrix_states[key][name].copy_(value)
         self._new_matrix_states = {}
         facts = self._facts()
         found_inf, self._found_inf = self._found_inf, None
@@ -192,13 +194,13 @@ class WholeTensorLeaf(OptimizerLeaf):
                                               for i in indices])
             for i, o in zip(indices, done):
                 out[i] = o
-        step = int(self.step) if self.has_matrix_state else 0  # this update's 1-based count (a host read)
+        # This update's 1-based count, a host read only for rules that keep per-matrix state (they refuse the
+        # device-decided step); a rule without any runs matrix_update through matrix_step's default.
+        step = int(self.step) if self.has_matrix_state else 0
         for i, (u, m) in enumerate(items):
-            if m.tensor_split is None and self.has_matrix_state:
+            if m.tensor_split is None:
                 out[i], self._new_matrix_states[m.key] = rule.matrix_step(u, m.qkv_split, self.matrix_states[m.key],
                                                                           step)
-            elif m.tensor_split is None:
-                out[i] = rule.matrix_update(u, m.qkv_split)
         return out
 
     def _owned_with_source(self):
