@@ -42,12 +42,7 @@ class ReferenceAdaptiveMuon(rm.ReferenceMuon):
         return o / (v.sqrt() + a["eps"]) * rm.scale_factor(rows, cols, m["scale_mode"]) * extra
 
     def _unscaled(self, p: torch.Tensor) -> torch.Tensor:
-        m, g = self.muon, p.grad
-        beta = m["momentum"]
-        buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-        buf.mul_(beta).add_((1 - beta) * g)
-        u = (1 - beta) * g + beta * buf if m["nesterov"] else buf
-        return rm.newton_schulz(u, m["steps"])
+        return rm.newton_schulz(self._momentum(p), self.muon["steps"])
 
     def _local_shape(self, p: torch.Tensor) -> tuple[int, int]:
         matrix = self.matrices[p]

@@ -149,12 +149,16 @@ class ReferenceMuon(torch.optim.Optimizer):
                     update = self._adam_direction(p)
                 p.mul_(1 - lr * wd).sub_(lr * update)
 
-    def _muon_direction(self, p: torch.Tensor) -> torch.Tensor:
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """B = beta*B + (1-beta)*g in place; U: Nesterov's (1-beta)*g + beta*B, or B."""
         m, g = self.muon, p.grad
         beta = m["momentum"]
         buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
         buf.mul_(beta).add_((1 - beta) * g)
-        u = (1 - beta) * g + beta * buf if m["nesterov"] else buf
+        return (1 - beta) * g + beta * buf if m["nesterov"] else buf
+
+    def _muon_direction(self, p: torch.Tensor) -> torch.Tensor:
+        m, u = self.muon, self._momentum(p)
         return orthogonalized_update(u, self.matrices[p], tp_mode=m["tp_mode"], steps=m["steps"],
                                      scale_mode=m["scale_mode"], extra_scale=m["extra_scale"],
                                      split_qkv=m["split_qkv"])
