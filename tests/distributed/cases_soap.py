@@ -148,6 +148,26 @@ def state_dict_round_trip(steps: int) -> dict:
                 homed=sorted(saved.get("matrix_state", {}).get("L", {})))
 
 
+def skipped_step_changes_nothing() -> dict:
+    """Contract: a step whose gradient is not finite (one rank's) is skipped on every rank and changes nothing: the
+    params and the per-matrix state stay bitwise, and the next step runs as if it had not happened."""
+    model, ddp, opt = build()
+    _step(ddp, opt, 0)
+    before = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()["matrix_state"])
+    ddp.zero_grad_buffer()
+    coefficients_ = coefficients(1, dist.get_rank())
+    if dist.get_rank() == 0:
+        coefficients_["a"][0, 0] = float("inf")
+    ddp(coefficients_).backward()
+    success, _, _ = opt.step()
+    ddp.finish_param_sync()
+    after = ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()["matrix_state"])
+    same_params = all(torch.equal(before[0][n], after[0][n]) for n in before[0])
+    same_state = all(torch.equal(t, after[1][s][k]) for s, per in before[1].items() for k, t in per.items())
+    return dict(success=bool(success), same_params=same_params, same_state=same_state,
+                next_success=bool(_step(ddp, opt, 1)[0]))
+
+
 def state_dict_without_matrix_state() -> str:
     """A state_dict whose per-matrix state was dropped must be refused, naming it, on every rank."""
     _, ddp, opt = build()

@@ -62,6 +62,11 @@ def test_soap_state_dict_round_trip_is_bitwise(pools):
     assert sorted(h for res in results for h in res["homed"]) == cases_soap.MATRICES
 
 
+def test_a_skipped_step_changes_neither_params_nor_per_matrix_state(pools):
+    for res in pools(3).run(cases_soap.skipped_step_changes_nothing, timeout=TIMEOUT):
+        assert res == dict(success=False, same_params=True, same_state=True, next_success=True), res
+
+
 def test_a_state_dict_without_the_per_matrix_state_is_refused_on_every_rank(pools):
     for message in pools(2).run(cases_soap.state_dict_without_matrix_state, timeout=TIMEOUT):
         assert "per-matrix state" in message
