@@ -22,7 +22,11 @@ only where that noise stays far below eps, i.e. for small gradients (tests/unit/
 """
 from __future__ import annotations
 
+from typing import Any, Iterable, Mapping
+
 import torch
+
+from tests.support import reference_muon as rm
 
 
 def init_state(shape: tuple[int, int]) -> dict:
@@ -41,9 +45,9 @@ def _clamped_inverse(x: torch.Tensor, q: torch.Tensor, eps: float) -> torch.Tens
     return q @ torch.diag(1.0 / _diag_in_basis(x, q).clamp_min(eps)) @ q.T
 
 
-def soap_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float, beta1: float, beta2: float,
-              shampoo_beta: float, eps: float, weight_decay: float, use_kl_shampoo: bool) -> torch.Tensor:
-    """One step on ``param`` (float64, in place) from ``grad``; returns D (before lr)."""
+def soap_direction(grad: torch.Tensor, state: dict, *, beta1: float, beta2: float, shampoo_beta: float, eps: float,
+                   use_kl_shampoo: bool) -> torch.Tensor:
+    """One step's D (before lr) from ``grad``; ``state`` advanced in place."""
     g = grad.double()
     m, n = g.shape
     state["step"] += 1
@@ -72,10 +76,46 @@ def soap_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float
     M = beta1 * M + (1.0 - beta1) * gr
     V = beta2 * V + (1.0 - beta2) * gr * gr
     d = QL @ ((M / (1.0 - beta1 ** t)) / ((V / (1.0 - beta2 ** t)).sqrt() + eps)) @ QR.T
-    with torch.no_grad():
-        param.sub_(lr * weight_decay * param).sub_(lr * d)
     state.update(L=L, R=R, Q_L=QL, Q_R=QR, M=M, V=V)
     return d
 
 
-__all__ = ["init_state", "soap_step"]
+def soap_step(param: torch.Tensor, grad: torch.Tensor, state: dict, *, lr: float, beta1: float, beta2: float,
+              shampoo_beta: float, eps: float, weight_decay: float, use_kl_shampoo: bool) -> torch.Tensor:
+    """One step on ``param`` (float64, in place) from ``grad``; returns D (before lr)."""
+    d = soap_direction(grad, state, beta1=beta1, beta2=beta2, shampoo_beta=shampoo_beta, eps=eps,
+                       use_kl_shampoo=use_kl_shampoo)
+    with torch.no_grad():
+        param.sub_(lr * weight_decay * param).sub_(lr * d)
+    return d
+
+
+class ReferenceSOAP(rm.ReferenceMuon):
+    """SOAP for the groups marked ``muon=True`` (megatron-core's matrix split), AdamW for the rest, in float64.
+    Under tensor parallelism megatron-core runs SOAP on each TP-local block: so does this reference, with one
+    state per block (``state[p]["blocks"]``)."""
+
+    def __init__(self, params: Iterable, matrices: Mapping[torch.Tensor, rm.MuonMatrix], lr: float,
+                 weight_decay: float, *, soap: Mapping[str, Any], **options) -> None:
+        super().__init__(params, matrices, lr, weight_decay, **options)
+        self.soap = dict(soap)
+
+    def _muon_direction(self, p: torch.Tensor) -> torch.Tensor:
+        matrix, g = self.matrices[p], p.grad
+        dim, parts = (matrix.partition_dim, matrix.tp_size) if matrix.partition_dim is not None else (0, 1)
+        blocks = g.chunk(parts, dim=dim)
+        states = self.state[p].setdefault("blocks", [init_state(tuple(b.shape)) for b in blocks])
+        return torch.cat([soap_direction(b, s, **self.soap) for b, s in zip(blocks, states)], dim=dim)
+
+
+def reference_soap(model: torch.nn.Module, lr: float, weight_decay: float, *, soap: Mapping[str, Any],
+                   **options) -> ReferenceSOAP:
+    """reference_muon's groups over ``model``, the matrices stepped by SOAP (``soap``: soap_direction's
+    constants; ``options``: reference_muon's)."""
+    muon = rm.reference_muon(model, lr, weight_decay, **options)
+    kept = {k: v for k, v in options.items() if k not in ("tp_size", "expert_tp_size", "split_shapes",
+                                                           "group_overrides")}
+    return ReferenceSOAP(muon.param_groups, muon.matrices, lr, weight_decay, soap=soap, **kept)
+
+
+__all__ = ["init_state", "soap_direction", "soap_step", "ReferenceSOAP", "reference_soap"]

@@ -49,7 +49,10 @@ class SOAP(WholeTensorRule):
                                    help="SOAP's decay of the Kronecker factors L and R")
     use_kl_shampoo: bool = constant(True, "soap_use_kl_shampoo", flag="--soap-no-kl-shampoo",
                                     help="SOAP's plain Shampoo factors instead of KL-Shampoo's (default: KL-Shampoo)")
-    eps: float = constant(1e-8, low=0, help="SOAP's epsilon (its own default; megatron-core does not pass adam_eps)")
+    # megatron-core has no field for it (it leaves SOAP's own 1e-8, not adam_eps): megatron_opt's own name, carried
+    # by OptimizerConfig.rule_constants and the main job's --soap-eps.
+    eps: float = constant(1e-8, "soap_eps", low=0, help="SOAP's epsilon (default SOAP's own 1e-8, as megatron-core "
+                                                        "leaves it; megatron-core does not pass adam_eps)")
     name: ClassVar[str] = "soap"
     aliases: ClassVar[tuple[str, ...]] = ()
     precision_aware: ClassVar[bool] = False
