@@ -179,7 +179,9 @@ def missing_matrix_state(keys: Sequence[str], saved_keys: Any) -> Optional[str]:
         return None
     return (f"it holds no {missing[0]} ({len(missing)} per-matrix state tensor(s) missing): the per-matrix state of "
             f"a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so it loads at the tensor-parallel "
-            f"split that saved it (any data-parallel size), with the same optimizer")
+            f"split that saved it (any data-parallel size), with the same optimizer. To go on at another split, load "
+            f"the model without the optimizer state (Megatron-LM's --no-load-optim; megatron_opt.checkpoint.load "
+            f"with optimizer=None): the optimizer then starts afresh")
 
 
 @dataclass(frozen=True)

@@ -90,15 +90,53 @@ def check_bucket_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
                       failure_note=fix)
 
 
+def _matrix_state_problem(requested: dict[str, tuple[int, ...]], checkpoint_dir: str) -> Optional[str]:
+    if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
+        return None
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    for key, shape in sorted(requested.items()):
+        have = getattr(saved.get(key), "size", None)
+        if have is None or tuple(have) != shape:
+            stored = f"stores it as {tuple(have)}" if have is not None else "does not hold it"
+            return (f"the optimizer checkpoint in {checkpoint_dir} {stored}, and this run asks for {key} as {shape}: "
+                    f"the per-matrix state of a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so "
+                    f"it loads at the tensor-parallel split that saved it (any data-parallel size), with the same "
+                    f"optimizer")
+    return None
+
+
+def check_matrix_state_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
+    """Raise CheckpointError on every rank together when the per-matrix state (``optimizer.matrix_state.*``) that
+    ``sharded_state_dict`` asks for is not in ``checkpoint_dir`` at the same global shape (another tensor-parallel
+    split, another optimizer); nothing when it asks for none. A collective over the default group."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    requested = {t.key: tuple(int(n) for n in t.global_shape) for t in nested_values(sharded_state_dict)
+                 if isinstance(t, ShardedTensor) and ".matrix_state." in t.key}
+    try:
+        problem: Any = _matrix_state_problem(requested, str(checkpoint_dir)) if requested else None
+    except Exception as exc:  # an unreadable .metadata: every rank hears of it, none waits in the load
+        problem = exc
+    collectives.agree("dist_checkpointing.load of the per-matrix optimizer state", problem, None,
+                      error_type=CheckpointError,
+                      failure_note="To go on at another split, load the model without the optimizer state "
+                                   "(--no-load-optim): the optimizer then starts afresh.")
+
+
 def checked(load: Callable) -> Callable:
     """``load`` (megatron-core's dist_checkpointing.load), refusing by name on every rank a dp_reshardable
-    optimizer checkpoint laid out in other buckets than the state dict asks for."""
+    optimizer checkpoint laid out in other buckets than the state dict asks for, and per-matrix state of another
+    tensor-parallel split."""
     @functools.wraps(load)
     def load_after_checking(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
         check_bucket_layout(sharded_state_dict, checkpoint_dir)
+        check_matrix_state_layout(sharded_state_dict, checkpoint_dir)
         return load(sharded_state_dict, checkpoint_dir, *args, **kwargs)
 
     return load_after_checking
 
 
-__all__ = ["check_bucket_layout", "checked"]
+__all__ = ["check_bucket_layout", "check_matrix_state_layout", "checked"]

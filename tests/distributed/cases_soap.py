@@ -181,4 +181,70 @@ def state_dict_without_matrix_state() -> str:
     return "loaded"
 
 
-__all__ = ["SoapNet", "MATRICES", "train", "resume", "state_dict_round_trip", "state_dict_without_matrix_state"]
+# ---------------------------------------------------------------------------------------------- verify mode
+def _faulty(op_name: str, fault_step: int, calls: list, step_of: list):
+    """torch.linalg.qr / torch.tensordot wrapped: on step ``fault_step`` (0-based) the first call's result gets 1e-3
+    (relative to its largest element) added to one element: a compute fault inside SOAP's step at a home."""
+    module, attr = (torch.linalg, "qr") if op_name == "qr" else (torch, "tensordot")
+    real = getattr(module, attr)
+
+    def faulty(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if step_of[0] == fault_step and not calls:
+            calls.append(1)
+            target = out.Q if op_name == "qr" else out
+            with torch.no_grad():
+                target[0, 0] += 1e-3 * float(target.abs().max())
+        return out
+
+    return module, attr, real, faulty
+
+
+def verified(steps: int, fault: str = "none", use_kl_shampoo: bool = True, weight_decay: float = WEIGHT_DECAY,
+             fault_step: int = 2, gaussian: bool = False) -> dict:
+    """``steps`` steps with verify mode on every step (verify_action 'raise'), exact gradients (``gaussian``: real
+    ones, Gaussian coefficients of varied scale per rank and step); ``fault``: 'qr' or
+    'tensordot' (see _faulty) on every rank at step ``fault_step``, 'skip' (one rank's gradient not finite at that
+    step). Returns this rank's outcome: the steps' successes, the steps verified and the error message if any."""
+    _, ddp, opt = build(use_kl_shampoo, weight_decay=weight_decay, verify_interval=1, verify_action="raise")
+    out = dict(success=[], verified=0, error=None)
+    calls: list = []
+    step_of = [-1]
+    patched = None
+    if fault in ("qr", "tensordot"):
+        module, attr, real, faulty = _faulty(fault, fault_step, calls, step_of)
+        setattr(module, attr, faulty)
+        patched = (module, attr, real)
+    try:
+        for step in range(steps):
+            step_of[0] = step
+            if fault == "skip" and step == fault_step:
+                ddp.zero_grad_buffer()
+                c = coefficients(step, dist.get_rank())
+                if dist.get_rank() == 0:
+                    c["b"][1, 1] = float("nan")
+                ddp(c).backward()
+                success = opt.step()[0]
+                ddp.finish_param_sync()
+            elif gaussian:
+                ddp.zero_grad_buffer()
+                g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+                scale = 10.0 ** float(torch.randint(-4, 2, (), generator=g))
+                ddp({n: torch.randn(shape, generator=g) * scale for n, shape in SHAPES.items()}).backward()
+                success = opt.step()[0]
+                ddp.finish_param_sync()
+            else:
+                success = _step(ddp, opt, step)[0]
+            out["success"].append(bool(success))
+    except Exception as exc:  # noqa: BLE001  (the test reads the message on every rank)
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if patched is not None:
+            setattr(*patched)
+    out["verified"] = opt.verify_report.verified_steps
+    out["faulted"] = bool(calls)
+    return out
+
+
+__all__ = ["SoapNet", "MATRICES", "train", "verified", "resume", "state_dict_round_trip",
+           "state_dict_without_matrix_state"]

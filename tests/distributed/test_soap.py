@@ -90,3 +90,34 @@ def test_soap_checkpoint_reshards_per_matrix_state(pools, tmp_path, world):
     for name, p in resumed[0]["params"].items():  # the same gradient bits at every DP size: the same params
         assert torch.equal(p, straight[0]["params"][name]), name
 
+
+
+# ---------------------------------------------------------------------------------------------- verify mode
+@pytest.mark.parametrize("use_kl_shampoo", [True, False])
+@pytest.mark.parametrize("gaussian", [False, True])
+def test_verify_mode_passes_every_correct_soap_step(pools, use_kl_shampoo, gaussian):
+    """Verify mode on every step at DP 3 (the float64 recomputation of each matrix at its home, given the eigenbases
+    the step chose: optimizer/rules/soap_float64.py), exact and Gaussian gradients of scales 1e-4..10: no finding."""
+    for res in pools(3).run(cases_soap.verified, 6, "none", use_kl_shampoo, gaussian=gaussian, timeout=TIMEOUT):
+        assert res["error"] is None, res["error"]
+        assert res["success"] == [True] * 6 and res["verified"] == 6, res
+
+
+@pytest.mark.parametrize("fault, check", [("qr", "per-matrix Q_L"), ("tensordot", "per-matrix exp_avg")])
+def test_verify_mode_finds_a_compute_fault_in_soaps_step_on_every_rank(pools, fault, check):
+    """A compute fault inside SOAP's step at the homes (one element of a QR's Q, or of a projection, off by 1e-3 of
+    the largest) at the third step: every rank raises the same VerificationError naming the per-matrix state, and
+    every rank finishes (the pool's timeout bounds it)."""
+    results = pools(3).run(cases_soap.verified, 5, fault, timeout=TIMEOUT)
+    assert all(r["faulted"] for r in results)
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("VerificationError") and "step() call 3" in message and check in message, message
+    assert all(r["success"] == [True, True] for r in results), results
+
+
+def test_verify_mode_a_skipped_soap_step_changes_no_per_matrix_state(pools):
+    for res in pools(3).run(cases_soap.verified, 5, "skip", timeout=TIMEOUT):
+        assert res["error"] is None, res["error"]
+        assert res["success"] == [True, True, False, True, True] and res["verified"] == 5, res

@@ -63,6 +63,12 @@ def test_tp2_resume_is_bit_exact(pools, tmp_path):
     for fmt, res in loaded.items():
         _same(straight["saved"], res["loaded"], f"TP2 {fmt}: the loaded per-matrix state")
         assert res["losses"] == straight["losses"], fmt
-    # at TP1 the blocks are other matrices: megatron_opt.checkpoint refuses on every rank, naming the state
+    # at TP1 the blocks are other matrices: megatron_opt.checkpoint refuses on every rank, naming the state and the
+    # way on (the model alone); torch_dist too
     for message in pools(4).run(ccs.load_refused, path, "megatron_opt", "dp", timeout=TIMEOUT):
         assert "CheckpointError" in message and "per-matrix state" in message and "tensor-parallel" in message, message
+        assert "--no-load-optim" in message, message
+    messages = set(pools(4).run(ccs.load_refused, path, "fully_reshardable", "dp", timeout=TIMEOUT))
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert "CheckpointError" in message and "per-matrix state" in message and "--no-load-optim" in message, message

@@ -9,16 +9,15 @@ homed exactly once per (expert) data-parallel group; after the last step DP and 
 """
 from __future__ import annotations
 
-import pytest
-
 from tests.mcore import cases_soap_expert_parallel as cse
 
 TIMEOUT = 300
 STEPS = 3
 # Measured (torch 2.14 CPU, fp32 against float64, 3 steps; printed with -s): EP2: params 1.9e-5 dense (AdamW's
 # embedding included) / 4.3e-6 expert of their change; ETP2: 9e-6 / 4.4e-4 (the expert blocks' change is mostly
-# weight decay, ~3e-5 in norm, and fp32's rounding of W is ~2e-8 of it); per-matrix state 1.1e-6 (EP2) / 1.2e-6 (ETP2) of its norm; grad
-# norm 3.9e-8 (relative). The bounds leave about 2-5x; the grad norm's is test_muon_model_parallel.py's.
+# weight decay, ~3e-5 in norm, and fp32's rounding of W is ~2e-8 of it); per-matrix state 1.1e-6 (EP2) / 1.2e-6
+# (ETP2) of its norm; grad norm 3.9e-8 (relative). The bounds leave about 2-5x; the grad norm's is
+# test_muon_model_parallel.py's.
 PARAM, STATE, NORM = 1e-3, 5e-6, 1e-6
 
 

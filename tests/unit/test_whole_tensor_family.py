@@ -59,7 +59,6 @@ def test_soap_is_a_whole_tensor_rule_whose_state_is_all_per_matrix():
 @pytest.mark.parametrize("field, value, match", [
     ("fp16", True, "fp16=True with optimizer='soap'"),
     ("optimizer_cuda_graph", True, "optimizer_cuda_graph=True with optimizer='soap'"),
-    ("verify_interval", 1, "verify_interval=1 with optimizer='soap'"),
     ("use_precision_aware_optimizer", True, "use_precision_aware_optimizer"),
 ])
 def test_soap_refuses_what_it_does_not_run_by_name(field, value, match):

@@ -1,5 +1,5 @@
 """SOAP: megatron-core's ``optimizer='soap'`` (emerging-optimizers 0.3.0's ``SOAP`` as megatron-core configures
-it: Shampoo's Kronecker factors, Adam in their eigenbasis; docs/whole_tensor_rules.md). The first rule of the
+it: Shampoo's Kronecker factors, Adam in their eigenbasis; docs/muon.md, "SOAP"). The first rule of the
 whole-tensor family (rules/whole_tensor_rule.py) with per-matrix state: every piece of its state lives once, at the
 matrix's home (optimizer/whole_tensor/leaf.py), because each is read in a rotated basis of the whole matrix.
 
@@ -33,6 +33,7 @@ import torch
 from ...errors import UnsupportedConfigError
 from .base import CONFIG_OWNER, constant
 from .muon import float32_matmul_precision, recompute_master
+from .soap_float64 import recompute_soap_step
 from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule
 
 MATMUL_PRECISION = "high"  # emerging-optimizers' default for SOAP's GEMMs and QR (TF32 on CUDA, fp32 on the CPU)
@@ -63,9 +64,8 @@ class SOAP(WholeTensorRule):
     @classmethod
     def check_config(cls, config: Any) -> None:
         """What SOAP does not run, refused by name: fp16, 16-bit masters, stochastic rounding, the device-decided
-        step (its eigendecomposition syncs with the host), verify mode (no float64 recomputation of the per-matrix
-        state yet). (megatron-core 0.19's soap_precondition_frequency, which it never reads, is accepted at 1 only:
-        core_config_fields.py.)"""
+        step (its eigendecomposition syncs with the host). (megatron-core 0.19's soap_precondition_frequency, which
+        it never reads, is accepted at 1 only: core_config_fields.py.)"""
         if getattr(config, "fp16", False):
             raise UnsupportedConfigError(f"{CONFIG_OWNER}.fp16=True with optimizer='soap': use bf16 (SOAP's state is "
                                          f"fp32; megatron-core's SOAP does not take fp16 either).")
@@ -79,10 +79,6 @@ class SOAP(WholeTensorRule):
             raise UnsupportedConfigError(f"{CONFIG_OWNER}.optimizer_cuda_graph=True with optimizer='soap': SOAP's "
                                          f"first-step eigendecomposition and its step count are read on the host, "
                                          f"which a captured step cannot do; leave optimizer_cuda_graph False.")
-        if int(getattr(config, "verify_interval", 0) or 0) > 0:
-            raise UnsupportedConfigError(f"{CONFIG_OWNER}.verify_interval={config.verify_interval} with "
-                                         f"optimizer='soap': verify mode has no float64 recomputation of SOAP's "
-                                         f"per-matrix state yet (issue #39); set verify_interval=0.")
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {}  # every piece of SOAP's state is per-matrix (matrix_state)
@@ -166,15 +162,21 @@ class SOAP(WholeTensorRule):
             master.add_(master, alpha=-float(weight_decay) * float(lr))
         master.add_(update, alpha=-float(lr))
 
-    # ----------------------------------------------------------------- verify mode (refused in check_config)
+    # ----------------------------------------------------------------- float64 recomputation (verify mode)
     def recompute_direction(self, g: torch.Tensor, state: TensorDict) -> tuple[TensorDict, TensorDict, torch.Tensor]:
-        return {}, {}, g
+        return {}, {}, g  # part 1 is the gradient itself: no elementwise state
 
     def matrix_tolerance(self, matrix: MatrixFacts, device: torch.device) -> float:
-        raise UnsupportedConfigError("verify mode has no float64 recomputation of SOAP's per-matrix state yet.")
+        raise UnsupportedConfigError("SOAP's update bound is elementwise: recompute_matrix_step gives it.")
+
+    def recompute_matrix_step(self, g: torch.Tensor, before: TensorDict, after: TensorDict, step: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """Part 2 in float64 at the home (soap_float64.py): (D, its elementwise bound, per state name (stored,
+        recomputed, bound)), given the eigenbases the step chose (see there why)."""
+        return recompute_soap_step(self, g, before, after, step)
 
     def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
-                         weight_decay: float, update_tolerance: float, matrix: MatrixFacts
+                         weight_decay: float, update_tolerance: torch.Tensor, matrix: MatrixFacts
                          ) -> tuple[TensorDict, TensorDict]:
         w, dw = recompute_master(w0, update, lr, weight_decay, update_tolerance)
         return {"master": w}, {"master": dw}

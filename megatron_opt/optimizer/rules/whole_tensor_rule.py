@@ -15,7 +15,8 @@ A rule of the family declares:
   such as a preconditioner refresh; ``home_cost`` combines them) and where homes may be (``homes_anywhere``);
 * its step in three parts: ``direction`` (elementwise, owned ranges), ``matrix_update`` (the whole matrix, at
   its home; ``matrix_step`` with per-matrix state), ``finish`` (elementwise, owned ranges: decay and the step);
-* its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``).
+* its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``;
+  with per-matrix state ``recompute_matrix_step``).
 """
 from __future__ import annotations
 
@@ -133,6 +134,15 @@ class WholeTensorRule(UpdateRule):
     @abc.abstractmethod
     def matrix_tolerance(self, matrix: MatrixFacts, device: torch.device) -> float:
         """A bound on every element's error of part 2's fp32 result (|e_ij| <= ||E||_F)."""
+
+    def recompute_matrix_step(self, g: torch.Tensor, before: TensorDict, after: TensorDict, step: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """Part 2 in float64 for a rule with per-matrix state, at the home: from the float64 direction ``g``, the
+        state ``before`` the step and as stored ``after`` it, (the update, its elementwise bound, per check name
+        (stored, recomputed, bound) of the per-matrix state). Rules without per-matrix state use
+        ``matrix_update`` in float64 and ``matrix_tolerance``."""
+        raise UnsupportedConfigError(f"{type(self).__name__} keeps per-matrix state but has no float64 "
+                                     f"recomputation of it (recompute_matrix_step).")
 
     @abc.abstractmethod
     def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,

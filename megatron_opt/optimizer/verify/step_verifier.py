@@ -92,6 +92,7 @@ class _Pending:
     loss_scale: torch.Tensor  # float64: the scale pass 1 divides by (the scaler may change it later)
     steps: list[torch.Tensor]  # per leaf, its update counter before the step
     shards: list[list[_ShardCopy]]  # per leaf, per owned shard
+    matrix_states: list[Optional[dict]]  # per leaf, its per-matrix state (SOAP's) where it keeps any, else None
 
 
 def _rank() -> int:
@@ -304,6 +305,36 @@ def unchanged_findings(shards: Sequence[OwnedShard], copies: Sequence[_ShardCopy
     return findings
 
 
+# ---------------------------------------------------------------------------------------------- per-matrix state
+def matrix_state_findings(checks: Sequence[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]],
+                          rank: int) -> list[Finding]:
+    """The per-matrix state checks of a rule that keeps it (WholeTensorLeaf.matrix_state_checks: param, check name,
+    stored, recomputed, bound), on the home rank: out of bound, NaN included, is a finding."""
+    findings = []
+    for param, check, got, want, tol in checks:
+        got, want, tol = got.reshape(-1), want.reshape(-1), tol.reshape(-1)
+        bad = torch.le((got - want).abs(), tol).logical_not_() & ~(got == want)
+        if bool(bad.any()):
+            findings.append(_piece_finding("update", param, rank, got, want, bad, lambda count, first: (
+                f"{count} of {got.numel()} elements of its per-matrix {check} differ from the float64 recomputation "
+                f"by more than the tolerance (first at element {first}: {got[first].item()!r} instead of "
+                f"{want[first].item()!r} +- {tol[first].item():.3g})")))
+    return findings
+
+
+def matrix_unchanged_findings(now: dict, before: dict, rank: int) -> list[Finding]:
+    """A skipped step: every per-matrix state tensor bitwise what it was."""
+    findings = []
+    for key, state in now.items():
+        for name, t in state.items():
+            changed = (_words(t) != _words(before[key][name])).reshape(-1)
+            if bool(changed.any()):
+                findings.append(Finding("update", str(key), rank, float("nan"), float("nan"),
+                                        f"a skipped step changed {int(changed.sum())} elements of its per-matrix "
+                                        f"{name}"))
+    return findings
+
+
 # ---------------------------------------------------------------------------------------------- the verifier
 class VerifiedLeaf(Protocol):
     """What verify mode reads of a leaf (OptimizerLeaf's declared views), and nothing else."""
@@ -319,6 +350,10 @@ class VerifiedLeaf(Protocol):
 
 def _whole(leaf: Any) -> bool:
     return bool(getattr(leaf, "has_whole_tensor_stage", False))
+
+
+def _keeps_matrix_state(leaf: Any) -> bool:
+    return _whole(leaf) and bool(getattr(leaf, "has_matrix_state", False))
 
 
 class StepVerifier:
@@ -376,7 +411,8 @@ class StepVerifier:
             findings += cast_findings(leaf.owned_shards(), rank)
         return _Pending(self._calls, findings, loss_scale.detach().double().clone(),
                         [leaf.step.clone() for leaf in self.leaves],
-                        [[_snapshot(s) for s in leaf.owned_shards()] for leaf in self.leaves])
+                        [[_snapshot(s) for s in leaf.owned_shards()] for leaf in self.leaves],
+                        [leaf.matrix_state_snapshot() if _keeps_matrix_state(leaf) else None for leaf in self.leaves])
 
     def finish(self, pending: _Pending, skipped: torch.Tensor, grad_norm: torch.Tensor, clip_grad: float) -> None:
         """After the step: check the update (or that a skipped step changed nothing), agree with every
@@ -388,7 +424,8 @@ class StepVerifier:
         clip = torch.ones((), dtype=torch.float64, device=grad_norm.device)
         if applied and clip_grad > 0.0:  # an applied step has a finite norm: the coefficient is exact here
             clip = clip_coefficient(grad_norm.reshape(-1)[0], clip_grad)
-        for leaf, recompute, step_before, copies in zip(self.leaves, self._recompute, pending.steps, pending.shards):
+        for leaf, recompute, step_before, copies, matrix_states in zip(self.leaves, self._recompute, pending.steps,
+                                                                       pending.shards, pending.matrix_states):
             expected_step = int(step_before.reshape(-1)[0]) + (1 if applied else 0)
             if int(leaf.step.reshape(-1)[0]) != expected_step:
                 findings.append(Finding("update", "(update counter)", rank, 1.0, 1.0,
@@ -396,6 +433,8 @@ class StepVerifier:
                                         f"{expected_step}"))
             if not applied:
                 findings += unchanged_findings(leaf.owned_shards(), copies, rank)
+                if matrix_states is not None:
+                    findings += matrix_unchanged_findings(leaf.matrix_state_snapshot(), matrix_states, rank)
                 continue
             contexts = [_UpdateContext(recompute, leaf.param_groups, expected_step,
                                        s.shard.unscale_factor.reshape(()).double() / pending.loss_scale.reshape(())
@@ -403,10 +442,13 @@ class StepVerifier:
                                        bool(getattr(leaf.rule, "stochastic_rounding", False)))
                         for s in leaf.owned_shards()]
             if _whole(leaf):  # every rank of the group gets here (applied is the same everywhere)
+                extra = {} if matrix_states is None else {"matrix_states_before": matrix_states}
                 expected = leaf.float64_expectation([c.master for c in copies],
                                                     [c.state for c in copies],
-                                                    [ctx.multiplier for ctx in contexts])
+                                                    [ctx.multiplier for ctx in contexts], **extra)
                 contexts = [dataclasses.replace(ctx, expected=e) for ctx, e in zip(contexts, expected)]
+                if matrix_states is not None:
+                    findings += matrix_state_findings(leaf.matrix_state_checks(), rank)
             findings += update_findings(leaf.owned_shards(), copies, contexts, rank)
         agreed = self._agree(findings)
         self._verified += 1

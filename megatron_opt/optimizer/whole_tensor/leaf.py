@@ -59,6 +59,7 @@ class WholeTensorLeaf(OptimizerLeaf):
         self.matrix_states: dict[MatrixKey, TensorDict] = {
             m.key: rule.new_matrix_state(m.shape, store.device) for m in self.exchange.homed}
         self._new_matrix_states: dict[MatrixKey, TensorDict] = {}
+        self._matrix_checks: list[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
         self._found_inf: Optional[torch.Tensor] = None
@@ -121,16 +122,25 @@ class WholeTensorLeaf(OptimizerLeaf):
                 if s.param_out is not None:
                     s.param_out[a:b].copy_(s.master[a:b])
 
+    def matrix_state_snapshot(self) -> dict[MatrixKey, TensorDict]:
+        """A copy of the per-matrix state of the matrices homed here (verify mode takes it before a step)."""
+        return {key: {name: t.clone() for name, t in state.items()} for key, state in self.matrix_states.items()}
+
     def float64_expectation(self, masters: Sequence[torch.Tensor], states: Sequence[TensorDict],
-                            multipliers: Sequence[torch.Tensor]) -> list[Float64Update]:
+                            multipliers: Sequence[torch.Tensor],
+                            matrix_states_before: Optional[dict[MatrixKey, TensorDict]] = None
+                            ) -> list[Float64Update]:
         """Verify mode (a collective, like the step): this step recomputed in float64 from each owned
         shard's pre-step ``masters`` and ``states`` (its state tensors by name) and float64 gradient
         ``multipliers``; per shard the expected master and state over its pieces (zero elsewhere) with
-        their bounds (the rule's ``matrix_tolerance``: part 2's bound is relative to the whole matrix)."""
+        their bounds (the rule's ``matrix_tolerance``: part 2's bound is relative to the whole matrix). A rule
+        with per-matrix state recomputes part 2 at each home from ``matrix_states_before``
+        (``matrix_state_snapshot``) and the stored state (``recompute_matrix_step``): its elementwise bounds travel
+        back with a second exchange, and its checks of the stored state are kept for ``matrix_state_checks``."""
         rule: WholeTensorRule = self.rule
-        if self.has_matrix_state:
-            raise UnsupportedConfigError(f"verify mode has no float64 recomputation of {type(rule).__name__}'s "
-                                         f"per-matrix state yet (issue #39).")
+        if self.has_matrix_state and matrix_states_before is None:
+            raise UnsupportedConfigError(f"verify mode: {type(rule).__name__}'s per-matrix state before the step "
+                                         f"is needed (matrix_state_snapshot()).")
         shards = self._owned_with_source()
         directions: dict[MatrixKey, torch.Tensor] = {}
         first_parts = []
@@ -141,7 +151,28 @@ class WholeTensorLeaf(OptimizerLeaf):
             for pc in s.shard.pieces:
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
                     u[pc.shard_range.start:pc.shard_range.end]
-        updates = self.exchange.run(directions, self._matrix_updates, self.step.device, dtype=torch.float64)
+        device = self.step.device
+        tolerances: Optional[dict[MatrixKey, torch.Tensor]] = None
+        if self.has_matrix_state:
+            bounds_at_home: dict[MatrixKey, torch.Tensor] = {}
+            self._matrix_checks = []
+            step = int(self.step)
+
+            def recompute(items):
+                out = []
+                for u, m in items:
+                    update, bound, checks = rule.recompute_matrix_step(u, matrix_states_before[m.key],
+                                                                       self.matrix_states[m.key], step)
+                    bounds_at_home[m.key] = bound
+                    self._matrix_checks += [(m.name, name, *check) for name, check in checks.items()]
+                    out.append(update)
+                return out
+
+            updates = self.exchange.run(directions, recompute, device, dtype=torch.float64)
+            tolerances = self.exchange.run(directions, lambda items: [bounds_at_home[m.key] for _, m in items],
+                                           device, dtype=torch.float64)
+        else:
+            updates = self.exchange.run(directions, self._matrix_updates, device, dtype=torch.float64)
         facts = self._facts()
         out = []
         for (src, s), w0, st, (values, bounds) in zip(shards, masters, states, first_parts):
@@ -151,15 +182,23 @@ class WholeTensorLeaf(OptimizerLeaf):
                 a, e = pc.shard_range.start, pc.shard_range.end
                 key = piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)
                 group = self.param_groups[gid]
+                tolerance = (tolerances[key] if tolerances is not None
+                             else rule.matrix_tolerance(facts[key], device))
                 vals, bnds = rule.recompute_finish(w0[a:e].double(), updates[key],
                                                    {n: st[n][a:e].double() for n in rule.finish_state},
                                                    float(group["lr"]), float(group["weight_decay"]),
-                                                   rule.matrix_tolerance(facts[key], self.step.device), facts[key])
+                                                   tolerance, facts[key])
                 for n, (v, d) in last.items():
                     v[a:e], d[a:e] = vals[n], bnds[n]
             out.append(Float64Update({**values, **{n: v for n, (v, _) in last.items()}},
                                      {**bounds, **{n: d for n, (_, d) in last.items()}}))
         return out
+
+    def matrix_state_checks(self) -> list[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(param name, check name, stored, recomputed, bound) of the per-matrix state homed here, from the last
+        ``float64_expectation`` (empty for a rule without per-matrix state)."""
+        checks, self._matrix_checks = self._matrix_checks, []
+        return checks
 
     def matrix_state_tensors(self) -> list[tuple[GradSource, str, torch.nn.Parameter, str, torch.Tensor]]:
         """(model chunk, param name, param, state name, live tensor) of every per-matrix state tensor of the
