@@ -25,6 +25,10 @@ _BUCKET_KEY = re.compile(r"^(?P<buffer>.*optimizer\.distributed\.dp_group_idx_\d
                          r"\.bucket_idx_(?P<bucket>\d+)\.(?P<state>[^.]+)$")
 
 
+class LayerWiseCheckpoint(str):
+    """The problem text when the checkpoint's optimizer state is megatron-core's LayerWise format (its own fix)."""
+
+
 def _layout(lengths: dict[str, int]) -> dict[str, dict[int, int]]:
     """{bucket key: length} -> {buffer prefix: {bucket index: length}}."""
     out: dict[str, dict[int, int]] = {}
@@ -35,31 +39,47 @@ def _layout(lengths: dict[str, int]) -> dict[str, dict[int, int]]:
     return out
 
 
-def _saved_lengths(checkpoint_dir: str) -> Optional[dict[str, int]]:
-    """{tensor key: length} of the checkpoint's tensors, or None where it is not a torch_dist checkpoint."""
+# megatron-core's LayerWiseDistributedOptimizer (Megatron-LM's --optimizer muon / adaptive_muon / soap with
+# --use-distributed-optimizer) saves its child's state per param, its fp32 masters under this name.
+_LAYER_WISE_MASTER = "optimizer.state.fp32_param."
+
+
+def _saved_keys(checkpoint_dir: str) -> Optional[dict[str, Optional[tuple[int, ...]]]]:
+    """{tensor key: shape (None for an object)} of the checkpoint, or None where it is not a torch_dist one."""
     if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
         return None
     from torch.distributed.checkpoint import FileSystemReader
 
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
-    out = {}
-    for key, item in metadata.state_dict_metadata.items():
-        size = getattr(item, "size", None)
-        if size is not None and len(size) == 1:
-            out[key] = int(size[0])
-    return out
+    return {key: (tuple(int(n) for n in item.size) if getattr(item, "size", None) is not None else None)
+            for key, item in metadata.state_dict_metadata.items()}
+
+
+def _layer_wise(prefix: str, saved_keys: dict) -> Optional[str]:
+    """A key of megatron-core's LayerWise per-param state under the chained child ``prefix``, if it holds any."""
+    return next((k for k in sorted(saved_keys) if k.startswith(prefix + _LAYER_WISE_MASTER)), None)
 
 
 def _problem(requested: dict[str, int], checkpoint_dir: str) -> Optional[str]:
-    saved_lengths = _saved_lengths(checkpoint_dir)
-    if saved_lengths is None:
+    saved_keys = _saved_keys(checkpoint_dir)
+    if saved_keys is None:
         return None
+    saved_lengths = {k: shape[0] for k, shape in saved_keys.items() if shape is not None and len(shape) == 1}
     wanted, saved = _layout(requested), _layout(saved_lengths)
     for buffer, buckets in sorted(wanted.items()):
         have = saved.get(buffer, {})
         lengths_now = [buckets[k] for k in sorted(buckets)]
         lengths_saved = [have[k] for k in sorted(have)]
         if any(have.get(k) != length for k, length in buckets.items()):
+            prefix = buffer[:buffer.index("optimizer.distributed.")]
+            layer_wise = None if have else _layer_wise(prefix, saved_keys)
+            if layer_wise is not None:
+                return LayerWiseCheckpoint(
+                    f"the optimizer checkpoint in {checkpoint_dir} was saved by megatron-core's "
+                    f"LayerWiseDistributedOptimizer (per-param state such as {layer_wise}: Megatron-LM's --optimizer "
+                    f"muon / adaptive_muon / soap with --use-distributed-optimizer run by megatron-core), a format "
+                    f"megatron_opt does not read. Load the model only (--no-load-optim): the optimizer then starts "
+                    f"afresh")
             name = buffer[buffer.index("optimizer.distributed.") + len("optimizer.distributed."):]
             stored = (f"stores buffer {name} as {len(have)} bucket(s) of {lengths_saved} elements" if have
                       else f"holds no dp_reshardable state for buffer {name}")
@@ -83,7 +103,8 @@ def check_bucket_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
         problem: Any = _problem(requested, str(checkpoint_dir)) if requested else None
     except Exception as exc:  # an unreadable .metadata: every rank hears of it, none waits in the load
         problem = exc
-    fix = (f"Save the optimizer in the per-parameter format, which any bucket and parallel layout loads "
+    fix = ("" if isinstance(problem, LayerWiseCheckpoint) else
+           f"Save the optimizer in the per-parameter format, which any bucket and parallel layout loads "
            f"(Megatron-LM: {FULLY_RESHARDABLE_FLAG}), or load with the bucket layout it was saved with "
            f"(the same --ddp-bucket-size, model and parallel sizes).")
     collectives.agree("dist_checkpointing.load of the optimizer state", problem, None, error_type=CheckpointError,

@@ -44,6 +44,7 @@ LAYOUTS = {"dp": cmp.Layout(), "tp2": cmp.Layout(tp=2)}
 STATES = ("master", "momentum_buffer", "exp_avg", "exp_avg_sq")
 GLOBAL, MB = 6, 1  # six one-sample micro-batches per step: ga = 6 / DP at DP 1, 2, 3
 TORCH_DIST = {"fully_reshardable": "fully_reshardable", "dp_reshardable": "dp_reshardable"}
+FOLDERS = {"layer_wise_as_dp_reshardable": ("layer_wise", "dp_reshardable")}  # a folder read as another format
 FORMATS = (*TORCH_DIST, "megatron_opt")
 
 
@@ -152,11 +153,12 @@ def load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any, mo
     """Megatron-LM's load_checkpoint (torch_dist: the model, then the optimizer and the scheduler) or
     megatron_opt.checkpoint.load. ``model=False`` (torch_dist) leaves the model's weights as they are and
     loads the optimizer only: the load's all-gather alone must then bring every rank the loaded model."""
-    folder = f"{path}/{fmt}"
+    name, kind = FOLDERS.get(fmt, (fmt, TORCH_DIST.get(fmt)))
+    folder = f"{path}/{name}"
     if fmt == "megatron_opt":
         megatron_opt.checkpoint.load(folder, ddps, opt, sched)
         return
-    sd = _torch_dist_sd(chunks, opt, True, TORCH_DIST[fmt])
+    sd = _torch_dist_sd(chunks, opt, True, kind)
     sd["opt_param_scheduler"] = sched.state_dict()
     if not model:  # dist_checkpointing.load fills the model's ShardedTensors in place: leave them out
         sd = {k: v for k, v in sd.items() if k not in ccmp._model_keys(chunks)}
@@ -209,3 +211,37 @@ def run_load(path: str, layout_name: str, formats: tuple, before: int, after: in
             final = state(opt, chunks, whole, layout_name) if after else None
             out[fmt] = {"loaded": loaded, "losses": losses, "final": final}
     return out
+
+
+# megatron-core's LayerWiseDistributedOptimizer (Megatron-LM's --optimizer muon / adaptive_muon / soap with
+# --use-distributed-optimizer, run by megatron-core) keeps its matrix child's state per param: seen in a real
+# Megatron-LM main checkpoint (tools/megatron_lm_cpu/compare.py --resume-layout DP2-adaptive_muon).
+LAYER_WISE_KEYS = ("chained_0.optimizer.state.fp32_param.decoder.layers.mlp.linear_fc1.weight",
+                   "chained_0.optimizer.state.momentum_buffer.decoder.layers.mlp.linear_fc1.weight")
+
+
+def load_refused_layer_wise(path: str) -> dict:
+    """A torch_dist checkpoint whose Muon child is in megatron-core's LayerWise per-param format (its tensor
+    metadata, which is all the refusal reads: two of its keys) loaded by megatron_opt's Muon through Megatron-LM's
+    dist_checkpointing.load: the message on every rank, and whether the optimizer state stayed as it was."""
+    from torch.distributed import checkpoint as dcp
+
+    folder = cc.tmp_folder(path, "layer_wise")
+    with cc.cpu():
+        dcp.save({key: torch.zeros(2, 8, 8) for key in LAYER_WISE_KEYS}, checkpoint_id=folder)
+    mcore_cpu.init_parallel_state()
+    layout = LAYOUTS["dp"]
+    whole = ccmp._whole_init(1, layout)
+    with _installed(layout):
+        chunks, ddps, opt, sched, whole = build("dp", whole)
+        train("dp", ddps, opt, sched, plan(1))
+        before = state(opt, chunks, whole, "dp")
+        try:
+            load(path, "layer_wise_as_dp_reshardable", chunks, ddps, opt, sched)
+            message = "loaded"
+        except Exception as exc:  # noqa: BLE001  (the test reads the message)
+            message = f"{type(exc).__name__}: {exc}"
+        after = state(opt, chunks, whole, "dp")
+    unchanged = None if before is None else all(torch.equal(before[k][n], after[k][n]) for k in STATES
+                                                for n in before[k])
+    return {"message": message, "unchanged": unchanged}

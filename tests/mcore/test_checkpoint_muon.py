@@ -103,3 +103,17 @@ def test_tp2_to_tp1_is_bitwise_and_a_tp2_resume_is_bit_exact(pools, tmp_path, tp
     resumed = pools(4).run(ccm.run_load, path, "tp2", formats[:1], BEFORE, AFTER, tp_mode)[0]
     assert resumed[formats[0]]["losses"] == saved["losses"]
     assert_same_state(saved["final"], resumed[formats[0]]["final"], f"TP2 resumed ({tp_mode})")
+
+
+def test_megatron_cores_layer_wise_checkpoint_is_refused_by_name_on_every_rank(pools, tmp_path):
+    """A checkpoint of megatron-core's own LayerWiseDistributedOptimizer (its Muon / AdaptiveMuon / SOAP child's
+    state per param: chained_0.optimizer.state.fp32_param.*) is not a format megatron_opt reads: the load is
+    refused before anything is read, on every rank with the same message naming the format and the way on
+    (--no-load-optim), and the optimizer state is as it was."""
+    results = pools(2).run(ccm.load_refused_layer_wise, str(tmp_path), timeout=240)
+    messages = {r["message"] for r in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith("CheckpointError") and "LayerWiseDistributedOptimizer" in message, message
+    assert "fp32_param" in message and "--no-load-optim" in message, message
+    assert results[0]["unchanged"] is True

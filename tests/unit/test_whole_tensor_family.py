@@ -3,6 +3,7 @@ Newton-Schulz's cost did (so its homes, hence its steps, are unchanged); Adaptiv
 from __future__ import annotations
 
 import pytest
+import torch
 
 import megatron_opt as mo
 from megatron_opt.optimizer.rules.adaptive_muon import AdaptiveMuon
@@ -59,12 +60,28 @@ def test_soap_is_a_whole_tensor_rule_whose_state_is_all_per_matrix():
 @pytest.mark.parametrize("field, value, match", [
     ("fp16", True, "fp16=True with optimizer='soap'"),
     ("optimizer_cuda_graph", True, "optimizer_cuda_graph=True with optimizer='soap'"),
-    ("use_precision_aware_optimizer", True, "use_precision_aware_optimizer"),
+    ("exp_avg_dtype", "fp16", "exp_avg_dtype=torch.float16 with optimizer='soap'"),
+    ("exp_avg_sq_dtype", "fp16", "exp_avg_sq_dtype=torch.float16 with optimizer='soap'"),
 ])
 def test_soap_refuses_what_it_does_not_run_by_name(field, value, match):
-    config = mo.OptimizerConfig(lr=1e-3, optimizer="soap", **{field: value})
+    if value == "fp16":  # a precision-aware moment dtype
+        config = mo.OptimizerConfig(lr=1e-3, optimizer="soap", use_precision_aware_optimizer=True,
+                                    **{field: torch.float16})
+    else:
+        config = mo.OptimizerConfig(lr=1e-3, optimizer="soap", **{field: value})
     with pytest.raises(mo.UnsupportedConfigError, match=match):
         update_rule_from_config(config)
+
+
+def test_soap_precision_aware_stores_the_moments_in_bf16_and_the_factors_in_fp32():
+    config = mo.OptimizerConfig(lr=1e-3, optimizer="soap", use_precision_aware_optimizer=True,
+                                exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    rule = update_rule_from_config(config)
+    assert {n: d for n, (_, d) in rule.matrix_state((3, 5)).items()} == {
+        "exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16, "L": torch.float32, "R": torch.float32,
+        "Q_L": torch.float32, "Q_R": torch.float32}
+    plain = update_rule_from_config(mo.OptimizerConfig(lr=1e-3, optimizer="soap", exp_avg_dtype=torch.float32))
+    assert all(d == torch.float32 for _, d in plain.matrix_state((3, 5)).values())
 
 
 def test_soap_matrix_step_is_emerging_optimizers_soap():

@@ -16,10 +16,12 @@ torch and megatron_opt installed) and each 2-rank layout, it launches run.py und
 the same arguments (megatron-core's DistributedOptimizer, then megatron_opt through install()) and
 compares the iterations: max |Δ lm loss|, max |Δ grad norm| (full precision, from run.py's
 --precise-log line; the log line's rounded values are parsed as well and must agree), the zero count
-(--log-num-zeros-in-grad) and the loss scale. The resume check trains DP2 to iteration 3 with --save
-(torch_dist), resumes with --load to the end, and compares the resumed iterations with an uninterrupted
-run that saves at the same iteration; it also loads megatron-core's checkpoint with megatron_opt
-(cross). Needs nothing from this repository at run time but run.py and cpu_shim.py.
+(--log-num-zeros-in-grad) and the loss scale. The resume check trains DP2 (``--resume-layout``: DP2-soap,
+DP2-adaptive_muon, DP2-muon for that optimizer) to iteration 3 with --save (torch_dist), resumes with --load to
+the end, and compares the resumed iterations with an uninterrupted run that saves at the same iteration; it also
+loads megatron-core's checkpoint with megatron_opt (cross; for the matrix optimizers megatron-core's
+LayerWise checkpoint may be refused by name, reported as REFUSED). Needs nothing from this repository at run
+time but run.py and cpu_shim.py.
 Logs go to --logs (a temporary folder by default); the exit status is 1 if a run failed.
 
 --gpu runs the same pairs on real GPUs (run.py --gpu: no CPU shim, NCCL, the flags without gloo;
@@ -233,6 +235,8 @@ def main() -> int:
     p.add_argument("--fp32", action="store_true", help="train in fp32 (default: --bf16)")
     p.add_argument("--no-resume", action="store_true", help="skip the checkpoint resume check")
     p.add_argument("--no-matrix", action="store_true", help="only the resume check")
+    p.add_argument("--resume-layout", default="DP2", choices=["DP2", "DP2-muon", "DP2-adaptive_muon", "DP2-soap"],
+                   help="the layout (and optimizer) of the resume check (default DP2: Adam)")
     p.add_argument("--extra", default="", help="more pretrain_gpt.py arguments for every run (one string)")
     p.add_argument("--logs", help="folder for the run logs and checkpoints (default: a temporary folder)")
     p.add_argument("--gpu", action="store_true", help="real GPUs: run.py --gpu, NCCL (no --distributed-backend gloo)")
@@ -251,13 +255,13 @@ def main() -> int:
     model = opts.model.split()
     device_args = NO_FUSED_KERNELS if opts.gpu else CPU_ONLY
     common = model + ["--train-iters", str(iters)] + device_args + UNDER_TEST + ([] if opts.fp32 else ["--bf16"])
-    base = common + opts.extra.split()
     tokens_per_iter = int(model[model.index("--global-batch-size") + 1]) * int(model[model.index("--seq-length") + 1])
     all_its = range(1, iters + 1)
     pairs = []
     report, failed = [], False
 
-    def run(version, name, megatron_opt, args):
+    def run(version, name, megatron_opt, args, refusal_ok=False):
+        """``refusal_ok``: a CheckpointError (a load refused by name) is reported, not counted as a failure."""
         nonlocal failed
         mlm_dir, python = getattr(opts, version)
         log = os.path.join(logs, f"{version}.{name.replace(' ', '.')}.{'mo' if megatron_opt else 'mcore'}.log")
@@ -265,10 +269,11 @@ def main() -> int:
             print(" ".join(command(python, mlm_dir, megatron_opt, args, opts.nproc, opts.gpu)))
             return {}
         rc, secs, recs = launch(python, mlm_dir, megatron_opt, args, log, opts.launch_timeout, opts.nproc, opts.gpu)
-        status = "ok" if rc == 0 else f"FAILED rc={rc}: {failure(log)}"
+        refused = rc != 0 and refusal_ok and "CheckpointError" in failure(log)
+        status = "ok" if rc == 0 else (f"REFUSED: {failure(log)}" if refused else f"FAILED rc={rc}: {failure(log)}")
         print(f"  {version:<6} {name:<18} {'megatron_opt' if megatron_opt else 'megatron-core':<13} {secs:5.1f}s  "
               f"{len(recs)} its  {status}  ({log})", flush=True)
-        failed |= rc != 0
+        failed |= rc != 0 and not refused
         return recs
 
     save = ["--ckpt-format", "torch_dist", "--save-interval", "3"]
@@ -285,7 +290,7 @@ def main() -> int:
             recs = {}
             for megatron_opt in (False, True):
                 extra = []
-                if layout == "DP2" and not opts.no_resume:  # DP2 doubles as the resume check's reference
+                if layout == opts.resume_layout and not opts.no_resume:  # doubles as the resume check's reference
                     ref_ckpt = os.path.join(logs, f"{version}.ckpt_ref.{'mo' if megatron_opt else 'mcore'}")
                     shutil.rmtree(ref_ckpt, ignore_errors=True)
                     extra = save + ["--save", ref_ckpt]
@@ -293,7 +298,7 @@ def main() -> int:
                 if muon and opts.fp32 and not megatron_opt:
                     run_args = [a for a in args if a not in NOT_IN_FP32_MUON_REFERENCE]
                 recs[megatron_opt] = run(version, layout, megatron_opt, run_args + extra)
-            if layout == "DP2":
+            if layout == opts.resume_layout:
                 refs = recs
             d = diff(recs[False], recs[True], all_its)
             report.append(row(f"{version} {layout} mcore vs megatron_opt", d, all_its))
@@ -307,29 +312,41 @@ def main() -> int:
         if opts.no_resume:
             continue
         resumed_its = range(4, iters + 1)
+        rl = opts.resume_layout
+        if rl in MUON_LAYOUTS and version != "main":
+            report.append(f"{version} resume check with {rl} skipped: Muon and its family need Megatron-LM main")
+            continue
+        rargs = common + (MUON_LAYOUTS.get(rl) or LAYOUTS[rl]) + opts.extra.split()
         for megatron_opt in (False, True):
             tag = "mo" if megatron_opt else "mcore"
             if megatron_opt not in refs:
                 ref_ckpt = os.path.join(logs, f"{version}.ckpt_ref.{tag}")
                 shutil.rmtree(ref_ckpt, ignore_errors=True)
-                refs[megatron_opt] = run(version, "DP2", megatron_opt, base + save + ["--save", ref_ckpt])
+                refs[megatron_opt] = run(version, rl, megatron_opt, rargs + save + ["--save", ref_ckpt])
             ckpt = os.path.join(logs, f"{version}.ckpt.{tag}")
             shutil.rmtree(ckpt, ignore_errors=True)
-            run(version, "DP2 to-3", megatron_opt, base + save + ["--save", ckpt, "--exit-interval", "3"])
-            res = run(version, "DP2 resumed", megatron_opt, base + save + ["--save", ckpt, "--load", ckpt])
-            report.append(row(f"{version} DP2 resume {tag} vs uninterr.", diff(refs[megatron_opt], res, resumed_its),
+            run(version, f"{rl} to-3", megatron_opt, rargs + save + ["--save", ckpt, "--exit-interval", "3"])
+            res = run(version, f"{rl} resumed", megatron_opt, rargs + save + ["--save", ckpt, "--load", ckpt])
+            report.append(row(f"{version} {rl} resume {tag} vs uninterr.", diff(refs[megatron_opt], res, resumed_its),
                               resumed_its))
             if megatron_opt:
                 continue
-            # megatron-core's checkpoint of iteration 3, loaded by megatron_opt; against megatron-core's run
+            # megatron-core's checkpoint of iteration 3, loaded by megatron_opt; against megatron-core's run (a
+            # checkpoint of another optimizer's format may be refused by name instead: reported, not a failure)
+            saved = os.path.join(ckpt, "iter_0000003")
+            if not os.path.isdir(saved) and not opts.print_only:
+                report.append(f"{version} {rl} mcore ckpt -> megatron_opt: megatron-core saved no checkpoint "
+                              f"({failure(os.path.join(logs, f'{version}.{rl}.to-3.mcore.log'))})")
+                continue
             cross_ckpt = os.path.join(logs, f"{version}.ckpt_cross")
             shutil.rmtree(cross_ckpt, ignore_errors=True)
             os.makedirs(cross_ckpt)
-            shutil.copytree(os.path.join(ckpt, "iter_0000003"), os.path.join(cross_ckpt, "iter_0000003"))
+            shutil.copytree(saved, os.path.join(cross_ckpt, "iter_0000003"))
             with open(os.path.join(cross_ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("3")
-            cross = run(version, "DP2 cross-resumed", True, base + save + ["--save", cross_ckpt, "--load", cross_ckpt])
-            report.append(row(f"{version} DP2 mcore ckpt -> megatron_opt", diff(refs[False], cross, resumed_its),
+            cross = run(version, f"{rl} cross-resumed", True,
+                        rargs + save + ["--save", cross_ckpt, "--load", cross_ckpt], refusal_ok=rl != "DP2")
+            report.append(row(f"{version} {rl} mcore ckpt -> megatron_opt", diff(refs[False], cross, resumed_its),
                               resumed_its))
 
     if opts.summary:

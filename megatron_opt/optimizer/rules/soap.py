@@ -38,6 +38,7 @@ from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule
 
 MATMUL_PRECISION = "high"  # emerging-optimizers' default for SOAP's GEMMs and QR (TF32 on CUDA, fp32 on the CPU)
 MATRIX_STATE = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)  # exp_avg / exp_avg_sq storage (the precision-aware optimizer)
 
 
 @dataclass(frozen=True)
@@ -54,24 +55,35 @@ class SOAP(WholeTensorRule):
     # by OptimizerConfig.rule_constants and the main job's --soap-eps.
     eps: float = constant(1e-8, "soap_eps", low=0, help="SOAP's epsilon (default SOAP's own 1e-8, as megatron-core "
                                                         "leaves it; megatron-core does not pass adam_eps)")
+    # The precision-aware optimizer: exp_avg_dtype / exp_avg_sq_dtype store SOAP's Adam moments (in the rotated
+    # basis, per matrix); the factors and their bases stay fp32 (their eigenvectors need it).
+    exp_avg_dtype: torch.dtype = torch.float32
+    exp_avg_sq_dtype: torch.dtype = torch.float32
     name: ClassVar[str] = "soap"
     aliases: ClassVar[tuple[str, ...]] = ()
-    precision_aware: ClassVar[bool] = False
+    precision_aware: ClassVar[bool] = True
     # Its per-matrix state is 4 (2 m^2 + 2 n^2 + 2 m n) bytes and its step ~m^3 + n^3: balancing them over every
     # rank, not only the matrix's owners, is worth moving the whole matrix (docs/benchmarks.md, "SOAP's state").
     homes_anywhere: ClassVar[bool] = True
 
     @classmethod
     def check_config(cls, config: Any) -> None:
-        """What SOAP does not run, refused by name: fp16, 16-bit masters, stochastic rounding, the device-decided
-        step (its eigendecomposition syncs with the host). (megatron-core 0.19's soap_precondition_frequency, which
-        it never reads, is accepted at 1 only: core_config_fields.py.)"""
+        """What SOAP does not run, refused by name: fp16, 16-bit masters, fp16 moments, stochastic rounding, the
+        device-decided step (its eigendecomposition syncs with the host). (megatron-core 0.19's
+        soap_precondition_frequency, which it never reads, is accepted at 1 only: core_config_fields.py.)"""
         if getattr(config, "fp16", False):
             raise UnsupportedConfigError(f"{CONFIG_OWNER}.fp16=True with optimizer='soap': use bf16 (SOAP's state is "
                                          f"fp32; megatron-core's SOAP does not take fp16 either).")
         if getattr(config, "main_params_dtype", torch.float32) != torch.float32:
             raise UnsupportedConfigError(f"{CONFIG_OWNER}.main_params_dtype={config.main_params_dtype} with "
                                          f"optimizer='soap': SOAP keeps fp32 masters; leave it at torch.float32.")
+        for field in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            value = getattr(config, field, torch.float32)
+            if value not in MOMENT_DTYPES:
+                raise UnsupportedConfigError(
+                    f"{CONFIG_OWNER}.{field}={value} with optimizer='soap': it stores SOAP's per-matrix "
+                    f"{field[:-6]} (and AdamW's {field[:-6]}), implemented in torch.float32 or torch.bfloat16; use "
+                    f"one of those.")
         if getattr(config, "stochastic_rounding", False):
             raise UnsupportedConfigError(f"{CONFIG_OWNER}.stochastic_rounding=True with optimizer='soap': implemented "
                                          f"for AdamW's moments only; leave it False.")
@@ -80,6 +92,14 @@ class SOAP(WholeTensorRule):
                                          f"first-step eigendecomposition and its step count are read on the host, "
                                          f"which a captured step cannot do; leave optimizer_cuda_graph False.")
 
+    @classmethod
+    def from_config(cls, config: Any) -> "SOAP":
+        cls.check_config(config)
+        aware = getattr(config, "use_precision_aware_optimizer", False)
+        return cls(**cls.constants_from(config),
+                   exp_avg_dtype=getattr(config, "exp_avg_dtype", torch.float32) if aware else torch.float32,
+                   exp_avg_sq_dtype=getattr(config, "exp_avg_sq_dtype", torch.float32) if aware else torch.float32)
+
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {}  # every piece of SOAP's state is per-matrix (matrix_state)
 
@@ -87,8 +107,8 @@ class SOAP(WholeTensorRule):
     def matrix_state(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         m, n = shape
         f32 = torch.float32
-        return {"exp_avg": ((m, n), f32), "exp_avg_sq": ((m, n), f32), "L": ((m, m), f32), "R": ((n, n), f32),
-                "Q_L": ((m, m), f32), "Q_R": ((n, n), f32)}
+        return {"exp_avg": ((m, n), self.exp_avg_dtype), "exp_avg_sq": ((m, n), self.exp_avg_sq_dtype),
+                "L": ((m, m), f32), "R": ((n, n), f32), "Q_L": ((m, m), f32), "Q_R": ((n, n), f32)}
 
     def new_matrix_state(self, shape: tuple[int, int], device: torch.device) -> TensorDict:
         state = super().new_matrix_state(shape, device)
@@ -123,8 +143,10 @@ class SOAP(WholeTensorRule):
             bases = [state["Q_L"], state["Q_R"]]
             decay = 1.0 - (1.0 - self.shampoo_beta) / (1.0 - self.shampoo_beta ** step)
             self._update_factors(factors, g, decay, bases)
-            exp_avg = _project(state["exp_avg"], bases, back=True)
-            bases, exp_avg_sq = _sorted_bases(factors, bases, state["exp_avg_sq"])
+            # 16-bit moments (precision-aware) are widened here; the update reads the unrounded fp32 result and
+            # the leaf's commit rounds it once, to nearest (as AdamW's pass 2).
+            exp_avg = _project(state["exp_avg"].float(), bases, back=True)
+            bases, exp_avg_sq = _sorted_bases(factors, bases, state["exp_avg_sq"].float())
             bases = [_eigenbasis(k) if step == 1 else torch.linalg.qr(k @ q).Q for k, q in zip(factors, bases)]
             exp_avg = _project(exp_avg, bases)
             g_rotated = _project(g, bases)

@@ -159,12 +159,33 @@ def recompute_soap_step(rule: Any, g: torch.Tensor, before: Tensors, after: Tens
     checks["exp_avg_sq"] = (f64["exp_avg_sq"], exp_avg_sq,
                             rounding_bound(beta2 * v_old, (1.0 - beta2) * square) + (1.0 - beta2) * dsquare)
 
-    # D from the stored moments (the ones the step used) and the stored bases.
+    # 16-bit moments (the precision-aware optimizer): the store rounds each once more, to nearest.
+    for name in ("exp_avg", "exp_avg_sq"):
+        stored, want, bound = checks[name]
+        checks[name] = (stored, want, bound + _store_rounding(want, bound, after[name].dtype))
+
+    # D from the stored moments (the ones the step used: unrounded where they are 16-bit, so half an ulp of
+    # each more, relative, through M / sqrt(V)) and the stored bases.
     m_hat = f64["exp_avg"] / (1.0 - beta1 ** step)
     denominator = (f64["exp_avg_sq"] / (1.0 - beta2 ** step)).sqrt() + rule.eps
     adam = m_hat / denominator
-    update, dupdate = _project(adam, rounding_bound(adam), ql, qr, unit, back=True)
+    stored_rounding = _half_ulp(after["exp_avg"].dtype) + _half_ulp(after["exp_avg_sq"].dtype)
+    update, dupdate = _project(adam, rounding_bound(adam) + stored_rounding * adam.abs(), ql, qr, unit, back=True)
     return update, dupdate, checks
+
+
+def _half_ulp(dtype: torch.dtype) -> float:
+    """The relative rounding of a store into ``dtype`` (to nearest); none for fp32 (the arithmetic's bound has it)."""
+    return 0.0 if dtype in (torch.float32, torch.float64) else torch.finfo(dtype).eps / 2
+
+
+def _store_rounding(values: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How far a store into ``dtype`` may move a value within ``bound`` of ``values``: half an ulp, and one
+    subnormal step near zero (as verify mode's elementwise store bound)."""
+    if dtype in (torch.float32, torch.float64):
+        return torch.zeros_like(values)
+    info = torch.finfo(dtype)
+    return (values.abs() + bound) * (info.eps / 2) + info.tiny * info.eps
 
 
 __all__ = ["recompute_soap_step", "TF32_UNIT", "STRUCTURE_SLACK"]
