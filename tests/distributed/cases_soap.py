@@ -103,6 +103,7 @@ def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, i
                                  for n, p in model.named_parameters()})
         homed = opt.state_dict().get("matrix_state", {})
         out["homed"] = sorted(homed.get("L", {}))
+        out["state_dtypes"] = sorted({(name, str(t.dtype)) for name, per in homed.items() for t in per.values()})
         out["factor_err"].append({f"{n}:{f}": float((t - reference.state[ref_params[n]][f]).norm()
                                                     / reference.state[ref_params[n]][f].norm())
                                   for f in ("L", "R") for n, t in homed.get(f, {}).items()})
@@ -201,12 +202,13 @@ def _faulty(op_name: str, fault_step: int, calls: list, step_of: list):
 
 
 def verified(steps: int, fault: str = "none", use_kl_shampoo: bool = True, weight_decay: float = WEIGHT_DECAY,
-             fault_step: int = 2, gaussian: bool = False) -> dict:
+             fault_step: int = 2, gaussian: bool = False, **options) -> dict:
     """``steps`` steps with verify mode on every step (verify_action 'raise'), exact gradients (``gaussian``: real
     ones, Gaussian coefficients of varied scale per rank and step); ``fault``: 'qr' or
     'tensordot' (see _faulty) on every rank at step ``fault_step``, 'skip' (one rank's gradient not finite at that
     step). Returns this rank's outcome: the steps' successes, the steps verified and the error message if any."""
-    _, ddp, opt = build(use_kl_shampoo, weight_decay=weight_decay, verify_interval=1, verify_action="raise")
+    _, ddp, opt = build(use_kl_shampoo, weight_decay=weight_decay, verify_interval=1, verify_action="raise",
+                        **options)
     out = dict(success=[], verified=0, error=None)
     calls: list = []
     step_of = [-1]

@@ -121,3 +121,31 @@ def test_verify_mode_a_skipped_soap_step_changes_no_per_matrix_state(pools):
     for res in pools(3).run(cases_soap.verified, 5, "skip", timeout=TIMEOUT):
         assert res["error"] is None, res["error"]
         assert res["success"] == [True, True, False, True, True] and res["verified"] == 5, res
+
+
+# ---------------------------------------------------------------------------------------------- precision-aware
+BF16_MOMENTS = dict(use_precision_aware_optimizer=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+BF16_PARAM = 5e-3  # measured 1.9e-3 of the change at DP 2 over 5 steps: bf16's half ulp (2^-9) of M and V
+
+
+def test_soap_with_bf16_moments_differs_by_their_rounding_only(pools):
+    """The precision-aware optimizer: SOAP's exp_avg / exp_avg_sq kept in bf16 at the homes (the factors and bases
+    fp32, bitwise those of emerging-optimizers' fp32 SOAP on the same exact gradients); the params within bf16's
+    rounding of the moments of emerging's fp32 run."""
+    results = pools(2).run(cases_soap.train, 5, **BF16_MOMENTS, timeout=TIMEOUT)
+    for rank, res in enumerate(results):
+        assert res["success"] == [True] * 5
+        assert ("exp_avg", "torch.bfloat16") in res["state_dtypes"] and ("L", "torch.float32") in res["state_dtypes"] \
+            or not res["homed"], res["state_dtypes"]
+        for step, (perr, ferr) in enumerate(zip(res["param_err"], res["factor_err"])):
+            assert max(perr.values()) <= BF16_PARAM, f"rank {rank} step {step}: {perr}"
+            assert max(ferr.values(), default=0.0) <= FACTOR, f"rank {rank} step {step}: {ferr}"
+    assert sorted(h for res in results for h in res["homed"]) == cases_soap.MATRICES
+
+
+def test_verify_mode_with_bf16_moments(pools):
+    """Verify mode's bounds take the bf16 store of the moments (half an ulp) and the update read from the unrounded
+    fp32 moments: six Gaussian steps at DP 3 without a finding."""
+    for res in pools(3).run(cases_soap.verified, 6, "none", gaussian=True, **BF16_MOMENTS, timeout=TIMEOUT):
+        assert res["error"] is None, res["error"]
+        assert res["verified"] == 6
