@@ -53,14 +53,17 @@ def main() -> None:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         p.error("--plot needs matplotlib (pip install matplotlib); leave out --plot to get the numbers only")
     curves = {}
+    optimizer = extra[extra.index("--optimizer") + 1] if "--optimizer" in extra[:-1] else "adam"
     with tempfile.TemporaryDirectory() as tmp:
         for i, option in enumerate(OPTIONS):
-            curves[option] = run(option, args.steps, args.nproc, extra, os.path.join(tmp, f"{i}.jsonl"))
+            # param remainders are AdamW's only (Muon and SOAP keep fp32 masters): say so in the label
+            label = option if optimizer == "adam" or "remainders" not in option else "bf16 moments"
+            curves[label] = run(option, args.steps, args.nproc, extra, os.path.join(tmp, f"{i}.jsonl"))
     final = {o: sum(r["lm loss"] for r in c[-args.tail:]) / len(c[-args.tail:]) for o, c in curves.items()}
-    base, other = final["fp32 state"], final["bf16 moments + remainders"]
+    (base_label, base), (other_label, other) = final.items()
     rel = abs(other - base) / base
     cmd = " ".join([os.path.basename(sys.executable), *sys.argv])
-    print(f"\n### state_precision_curves.py: {args.steps} iterations, DP={args.nproc}, bf16 model\n")
+    print(f"\n### state_precision_curves.py: {optimizer}, {args.steps} iterations, DP={args.nproc}, bf16 model\n")
     print(f"- date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}")
     print(f"- device: {cpu_model()}, {os.cpu_count()} cores, gloo")
     print(f"- command: `{cmd}`\n")
@@ -68,10 +71,11 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for option, c in curves.items():
         print(f"| {option} | {c[0]['lm loss']:.4f} | {final[option]:.4f} | {c[-1]['skipped_iterations']} |")
-    print(f"\nfinal loss, bf16 moments + remainders vs fp32 state: {rel * 100:.3f}% apart (target: within 1%)")
+    print(f"\nfinal loss, {other_label} vs {base_label}: {rel * 100:.3f}% apart (target: within 1%)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"steps": args.steps, "nproc": args.nproc, "final": final, "relative_difference": rel,
+            json.dump({"optimizer": optimizer, "steps": args.steps, "nproc": args.nproc, "final": final,
+                       "relative_difference": rel,
                        "curves": {o: [r["lm loss"] for r in c] for o, c in curves.items()}}, f)
     if args.plot:
         import matplotlib
@@ -84,7 +88,8 @@ def main() -> None:
             ax.plot([r["iteration"] for r in c], [r["lm loss"] for r in c], label=option, linewidth=1)
         ax.set_xlabel("iteration")
         ax.set_ylabel("lm loss")
-        ax.set_title(f"pretrain_gpt.py, bf16 model, DP={args.nproc}: final losses {rel * 100:.2f}% apart")
+        ax.set_title(f"pretrain_gpt.py --optimizer {optimizer}, bf16 model, DP={args.nproc}: final losses "
+                     f"{rel * 100:.2f}% apart")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
