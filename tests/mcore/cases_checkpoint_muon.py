@@ -173,14 +173,14 @@ def load(path: str, fmt: str, chunks: list, ddps: list, opt: Any, sched: Any, mo
 
 # ----------------------------------------------------------------------------- cases
 def run_save(path: str, layout_name: str, before: int, after: int, tp_mode: str = "blockwise",
-             formats: tuple = FORMATS) -> dict:
+             formats: tuple = FORMATS, optimizer: str = "muon") -> dict:
     """Train ``before`` steps, save in every format (``path``/<format>), train ``after`` more: the state
     as saved, and the uninterrupted run's losses and final state (rank 0)."""
     mcore_cpu.init_parallel_state()
     layout = LAYOUTS[layout_name]
     whole = ccmp._whole_init(0, layout)
     with _installed(layout):
-        chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode)
+        chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode, optimizer)
         batches = plan(before + after)
         first = train(layout_name, ddps, opt, sched, batches[:before])
         for fmt in formats:
@@ -192,7 +192,7 @@ def run_save(path: str, layout_name: str, before: int, after: int, tp_mode: str 
 
 
 def run_load(path: str, layout_name: str, formats: tuple, before: int, after: int, tp_mode: str = "blockwise",
-             resave: Optional[str] = None, model: bool = True) -> dict:
+             resave: Optional[str] = None, model: bool = True, optimizer: str = "muon") -> dict:
     """Per format: a fresh run (other initial weights) in the layout loads ``path``/<format>; the state
     right after the load, then (``after`` > 0) the losses and state after ``after`` more steps. With
     ``resave`` the loaded state is saved again in the same format under ``resave`` first."""
@@ -202,7 +202,7 @@ def run_load(path: str, layout_name: str, formats: tuple, before: int, after: in
     whole = ccmp._whole_init(1, layout)
     with _installed(layout):
         for fmt in formats:
-            chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode)
+            chunks, ddps, opt, sched, whole = build(layout_name, whole, tp_mode, optimizer)
             load(path, fmt, chunks, ddps, opt, sched, model=model)
             loaded = state(opt, chunks, whole, layout_name)
             if resave is not None:

@@ -33,8 +33,8 @@ def saved_at_dp2(pools, tmp_path_factory):
     return path, result
 
 
-def assert_same_state(expected: dict, actual: dict, what: str) -> None:
-    for state in CHECKED:
+def assert_same_state(expected: dict, actual: dict, what: str, checked: tuple = CHECKED) -> None:
+    for state in checked:
         assert expected[state].keys() == actual[state].keys(), (what, state)
         for name, tensor in expected[state].items():
             assert not tensor.isnan().any(), f"{what}: {state} of {name} was held by no rank"
@@ -103,6 +103,24 @@ def test_tp2_to_tp1_is_bitwise_and_a_tp2_resume_is_bit_exact(pools, tmp_path, tp
     resumed = pools(4).run(ccm.run_load, path, "tp2", formats[:1], BEFORE, AFTER, tp_mode)[0]
     assert resumed[formats[0]]["losses"] == saved["losses"]
     assert_same_state(saved["final"], resumed[formats[0]]["final"], f"TP2 resumed ({tp_mode})")
+
+
+def test_adaptive_muon_tp2_to_tp1_is_bitwise_and_a_tp2_resume_is_bit_exact(pools, tmp_path):
+    """AdaptiveMuon (issue 39): its state is elementwise (momentum_buffer and the second moment moment2_buffer, per
+    element of the model's tensors), so TP2xDP2 -> TP1xDP2 holds the TP2 run's state bitwise, second moment
+    included, and a TP2 resume continues bit-exactly (duplicated: megatron-core's --muon-tp-mode default)."""
+    path = str(tmp_path)
+    formats = ("fully_reshardable", "megatron_opt")
+    checked = (*CHECKED, "moment2_buffer")
+    saved = pools(4).run(ccm.run_save, path, "tp2", BEFORE, AFTER, "duplicated", formats, "adaptive_muon")[0]
+    assert saved["saved"]["moment2_buffer"], "no moment2_buffer saved"
+    loaded = pools(2).run(ccm.run_load, path, "dp", formats, BEFORE, 0, "duplicated", optimizer="adaptive_muon")[0]
+    for fmt in formats:
+        assert_same_state(saved["saved"], loaded[fmt]["loaded"], f"{fmt} TP2xDP2 -> TP1xDP2", checked)
+    resumed = pools(4).run(ccm.run_load, path, "tp2", formats[:1], BEFORE, AFTER, "duplicated",
+                           optimizer="adaptive_muon")[0]
+    assert resumed[formats[0]]["losses"] == saved["losses"]
+    assert_same_state(saved["final"], resumed[formats[0]]["final"], "TP2 resumed", checked)
 
 
 def test_megatron_cores_layer_wise_checkpoint_is_refused_by_name_on_every_rank(pools, tmp_path):
