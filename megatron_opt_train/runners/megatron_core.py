@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 import megatron_opt as mo
 from megatron_opt.megatron import arguments as megatron_args
-from megatron_opt.megatron.muon_call import tag_qkv_split_shapes
+from megatron_opt.megatron.muon_call import WHOLE_TENSOR_NAMES, tag_qkv_split_shapes
 from megatron_opt.optimizer.step import phase_timers
 
 from ..components.data import Batch, build_source, padded_vocab_size
@@ -98,8 +98,8 @@ class ModelParallelRunner(Runner):
             self.ddps = [mo.DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=m,
                                                     disable_bucketing=index > 0)
                          for index, m in enumerate(modules)]
-        if args.optimizer == "muon":  # megatron-core's own Muon path tags the QKV weights' split likewise
-            tag_qkv_split_shapes(self.ddps)
+        if args.optimizer in WHOLE_TENSOR_NAMES:  # megatron-core's own matrix-optimizer path tags the QKV weights
+            tag_qkv_split_shapes(self.ddps)          # likewise (AdaptiveMuon's split is Muon's; SOAP reads none)
         self.optimizer = mo.get_megatron_optimizer(self.optimizer_config(), self.ddps)
         self.scheduler = megatron_args.scheduler_from_args(self.optimizer, args)
         self.data_parallel_size = args.data_parallel_size

@@ -13,7 +13,8 @@ from tests.support import reference_muon as rm
 
 
 def train(steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1, split_qkv: bool = True,
-          scale_mode: str = "spectral", extra_scale: float = 1.0, eps: float = 1e-8, verify: bool = False) -> dict:
+          scale_mode: str = "spectral", extra_scale: float = 1.0, eps: float = 1e-8, verify: bool = False,
+          matmul_prec: str = "highest") -> dict:
     """Train MuonNet with optimizer='adaptive_muon' ``steps`` steps; per step the errors against the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = model_and_reference()
@@ -23,7 +24,7 @@ def train(steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: f
     cfg = mo.OptimizerConfig(optimizer="adaptive_muon", lr=lr, weight_decay=weight_decay, clip_grad=clip,
                              use_distributed_optimizer=True, muon_nesterov=nesterov, muon_split_qkv=split_qkv,
                              muon_scale_mode=scale_mode, muon_extra_scale_factor=extra_scale,
-                             muon_fp32_matmul_prec="highest", adaptive_muon_eps=eps,
+                             muon_fp32_matmul_prec=matmul_prec, adaptive_muon_eps=eps,
                              verify_interval=1 if verify else 0)
     opt = mo.get_megatron_optimizer(cfg, ddp)
     reference = ram.reference_adaptive_muon(ref, lr, weight_decay, split_shapes=SPLIT, nesterov=nesterov,

@@ -74,7 +74,7 @@ class AdaptiveMuon(Muon):
     def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
                          weight_decay: float, update_tolerance: float, matrix: MatrixFacts
                          ) -> tuple[TensorDict, TensorDict]:
-        """Part 3 in float64. The bound on D: O's (matrix-relative) error moves V by (1-beta2)*2|O|dO and D by
+        """Part 3 in float64. The bound on D: O's (matrix-relative) error moves V by (1-beta2)*(2|O|dO + dO^2) and D by
         at most dO/(sqrt(V)+eps) * (1 + |O|*(1-beta2)*|O|/(sqrt(V)*(sqrt(V)+eps))) <= 2*dO/(sqrt(V)+eps), scaled;
         plus fp32's roundings of V and D."""
         v0 = state["moment2_buffer"]
@@ -83,8 +83,10 @@ class AdaptiveMuon(Muon):
         denom = v.sqrt() + self.eps
         scale = self.whole_scale(matrix)
         d = update / denom * scale
-        dv = rounding_bound(self.beta2 * v0, (1.0 - self.beta2) * o2) + 2 * (1.0 - self.beta2) * update.abs() \
-            * update_tolerance
+        # O's error dO moves O^2 by up to 2|O| dO + dO^2: the square term matters where O is near 0 and dO is large
+        # (muon_fp32_matmul_prec 'medium', bf16 Newton-Schulz: dO is half the scale).
+        dv = rounding_bound(self.beta2 * v0, (1.0 - self.beta2) * o2) + (1.0 - self.beta2) \
+            * (2 * update.abs() * update_tolerance + update_tolerance * update_tolerance)
         # |O| / sqrt(V) <= 1 / sqrt(1 - beta2): |D| never exceeds that, whatever O's error.
         dd = torch.clamp(2 * update_tolerance / denom, max=2 / (1.0 - self.beta2) ** 0.5) * abs(scale) \
             + FINISH_RELATIVE_ERROR * d.abs()
