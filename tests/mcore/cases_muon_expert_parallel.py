@@ -60,6 +60,22 @@ def _momentum_by_param(opt, ddps: list) -> dict:
     return cmm.whole_by_param(ddps, lambda p: gathered[_is_expert(p)])
 
 
+def train_step(ddps: list, opt, sched, mine: list, ga: int, mb: int, global_batch: int) -> tuple[bool, float]:
+    """Megatron-LM's train_step on this rank's ``ga`` micro-batches ``mine``, the overlapped all-gather waited
+    for: (success, grad norm)."""
+    for ddp in ddps:
+        ddp.zero_grad_buffer()
+    opt.zero_grad()
+    get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=ddps,
+                                num_microbatches=ga, seq_length=mcore_cpu.SEQ, micro_batch_size=mb,
+                                decoder_seq_length=None, forward_only=False)
+    success, norm, _ = opt.step()
+    sched.step(increment=global_batch)
+    for ddp in ddps:
+        ddp.finish_param_sync()
+    return bool(success), norm
+
+
 def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", ga: int = 2, mb: int = 2,
                 bucket_size: int = 4000, matmul_prec: str = "highest") -> dict:
     """Train ``steps`` steps in the named EP layout (LAYOUTS) and the float64 reference; this rank's
@@ -89,18 +105,9 @@ def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", g
             counted = _counted(chunks, init)
             dp_rank = parallel_state.get_data_parallel_rank()
             for k, batches in enumerate(step_batches):
-                mine = batches[dp_rank * ga:(dp_rank + 1) * ga]
-                for ddp in ddps:
-                    ddp.zero_grad_buffer()
-                opt.zero_grad()
-                get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=ddps,
-                                            num_microbatches=ga, seq_length=mcore_cpu.SEQ, micro_batch_size=mb,
-                                            decoder_seq_length=None, forward_only=False)
-                success, norm, _ = opt.step()
-                out["success"].append(bool(success))
-                sched.step(increment=global_batch)
-                for ddp in ddps:
-                    ddp.finish_param_sync()
+                success, norm = train_step(ddps, opt, sched, batches[dp_rank * ga:(dp_rank + 1) * ga], ga, mb,
+                                           global_batch)
+                out["success"].append(success)
                 ref_params, ref_momentum = reference["params"][k], reference["momentum"][k]
                 out["norm"].append(abs(float(norm) - reference["norms"][k]) / reference["norms"][k])
                 momentum = _momentum_by_param(opt, ddps)
@@ -122,4 +129,4 @@ def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", g
     return out
 
 
-__all__ = ["LAYOUTS", "run_muon_ep"]
+__all__ = ["LAYOUTS", "run_muon_ep", "train_step"]

@@ -34,11 +34,10 @@ from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
 from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402
-from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
 import megatron_opt as mo
 import megatron_opt.megatron
-from tests.mcore.cases_megatron import forward_step, global_batches
+from tests.mcore.cases_megatron import global_batches
 
 EPS = 1.0  # SOAP's eps for this comparison (see the module docstring); megatron-core's is 1e-8
 SOAP = dict(beta1=0.9, beta2=0.95, shampoo_beta=0.95, use_kl_shampoo=False)
@@ -149,18 +148,9 @@ def run_soap_ep(layout_name: str, steps: int = 3, eps: float = EPS, ga: int = 2,
             counted = cme._counted(chunks, init)
             dp_rank = parallel_state.get_data_parallel_rank()
             for k, batches in enumerate(step_batches):
-                mine = batches[dp_rank * ga:(dp_rank + 1) * ga]
-                for ddp in ddps:
-                    ddp.zero_grad_buffer()
-                opt.zero_grad()
-                get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(mine), model=ddps,
-                                            num_microbatches=ga, seq_length=mcore_cpu.SEQ, micro_batch_size=mb,
-                                            decoder_seq_length=None, forward_only=False)
-                success, norm, _ = opt.step()
-                out["success"].append(bool(success))
-                sched.step(increment=global_batch)
-                for ddp in ddps:
-                    ddp.finish_param_sync()
+                success, norm = cme.train_step(ddps, opt, sched, batches[dp_rank * ga:(dp_rank + 1) * ga], ga, mb,
+                                               global_batch)
+                out["success"].append(success)
                 ref_params = reference["params"][k]
                 out["norm"].append(abs(float(norm) - reference["norms"][k]) / reference["norms"][k])
                 for expert, param_key in ((False, "param"), (True, "expert_param")):
