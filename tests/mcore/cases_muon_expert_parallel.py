@@ -60,6 +60,17 @@ def _momentum_by_param(opt, ddps: list) -> dict:
     return cmm.whole_by_param(ddps, lambda p: gathered[_is_expert(p)])
 
 
+def assert_every_rank_ran(results: list, steps: int, chain: list) -> None:
+    """Test side: every step succeeded on every rank, the chain's children are ``chain`` and megatron_opt's, and the
+    replicas that must be bitwise equal are."""
+    for r in results:
+        assert r["success"] == [True] * steps, r["success"]
+        assert r["children"] == chain, r["children"]
+        assert r["optimizer_module"].startswith("megatron_opt."), r["optimizer_module"]
+        failed = [k for k in ("dp_replicas_equal", "expert_dp_replicas_equal", "tp_copies_equal") if r.get(k) is False]
+        assert not failed, f"replicas that must be bitwise equal differ: {failed}"
+
+
 def train_step(ddps: list, opt, sched, mine: list, ga: int, mb: int, global_batch: int) -> tuple[bool, float]:
     """Megatron-LM's train_step on this rank's ``ga`` micro-batches ``mine``, the overlapped all-gather waited
     for: (success, grad norm)."""
@@ -129,4 +140,4 @@ def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", g
     return out
 
 
-__all__ = ["LAYOUTS", "run_muon_ep", "train_step"]
+__all__ = ["LAYOUTS", "run_muon_ep", "train_step", "assert_every_rank_ran"]

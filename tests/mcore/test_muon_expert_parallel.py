@@ -21,12 +21,7 @@ CHAIN = [("muon", False), ("adam", False), ("muon", True), ("adam", True)]
 def check(results: list, steps: int, chain: list = CHAIN) -> dict:
     figs = {key: max(max(r[key]) for r in results)
             for key in ("param", "expert_param", "momentum", "expert_momentum", "norm")}
-    for r in results:
-        assert r["success"] == [True] * steps, r["success"]
-        assert r["children"] == chain, r["children"]
-        assert r["optimizer_module"].startswith("megatron_opt."), r["optimizer_module"]
-        failed = [k for k in ("dp_replicas_equal", "expert_dp_replicas_equal", "tp_copies_equal") if r.get(k) is False]
-        assert not failed, f"replicas that must be bitwise equal differ: {failed}"
+    cme.assert_every_rank_ran(results, steps, chain)
     assert figs["param"] <= PARAM and figs["expert_param"] <= PARAM, figs
     assert figs["momentum"] <= MOMENTUM and figs["expert_momentum"] <= MOMENTUM, figs
     assert figs["norm"] <= NORM, figs

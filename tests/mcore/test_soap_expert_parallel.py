@@ -9,6 +9,7 @@ homed exactly once per (expert) data-parallel group; after the last step DP and 
 """
 from __future__ import annotations
 
+from tests.mcore import cases_muon_expert_parallel as cme
 from tests.mcore import cases_soap_expert_parallel as cse
 
 TIMEOUT = 300
@@ -23,12 +24,7 @@ PARAM, STATE, NORM = 1e-3, 5e-6, 1e-6
 
 def check(results: list, chain: list) -> dict:
     figs = {key: max(max(r[key]) for r in results) for key in ("param", "expert_param", "factors", "norm")}
-    for r in results:
-        assert r["success"] == [True] * STEPS, r["success"]
-        assert r["children"] == chain, r["children"]
-        assert r["optimizer_module"].startswith("megatron_opt."), r["optimizer_module"]
-        failed = [k for k in ("dp_replicas_equal", "expert_dp_replicas_equal", "tp_copies_equal") if r.get(k) is False]
-        assert not failed, f"replicas that must be bitwise equal differ: {failed}"
+    cme.assert_every_rank_ran(results, STEPS, chain)
     assert figs["param"] <= PARAM and figs["expert_param"] <= PARAM, figs
     assert figs["factors"] <= STATE, figs
     assert figs["norm"] <= NORM, figs
