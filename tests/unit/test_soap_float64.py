@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from megatron_opt.optimizer.rules.soap import SOAP
-from megatron_opt.optimizer.rules.soap_float64 import recompute_soap_step
 
 SHAPES = [(10, 10), (7, 13), (12, 10), (2, 30)]
 
@@ -38,7 +37,7 @@ def test_every_bound_holds_for_correct_steps(shape, use_kl_shampoo, shampoo_beta
     rule = SOAP(use_kl_shampoo=use_kl_shampoo, shampoo_beta=shampoo_beta)
     for seed in range(6):
         for grad, before, after, step, update in _steps(rule, shape, seed):
-            want, bound, checks = recompute_soap_step(rule, grad.double(), before, after, step)
+            want, bound, checks = rule.recompute_matrix_step(grad.double(), before, after, step)
             worst = _worst(checks)
             worst["D"] = float(((update.double() - want).abs() / bound).max())
             assert max(worst.values()) <= 1.0, f"seed {seed} step {step}: {worst}"
@@ -55,7 +54,22 @@ def test_a_stored_state_off_by_a_little_is_found(name):
             continue
         bad = {k: v.clone() for k, v in after.items()}
         bad[name][1, 2] += 1e-3 * float(bad[name].abs().max())
-        _, _, checks = recompute_soap_step(rule, grad.double(), before, bad, step)
+        _, _, checks = rule.recompute_matrix_step(grad.double(), before, bad, step)
         assert max(_worst(checks).values()) > 1.0, _worst(checks)
-        _, _, clean = recompute_soap_step(rule, grad.double(), before, after, step)
+        _, _, clean = rule.recompute_matrix_step(grad.double(), before, after, step)
         assert max(_worst(clean).values()) <= 1.0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bounds_hold_with_bf16_moments(shape):
+    """The precision-aware optimizer: exp_avg / exp_avg_sq stored in bf16 (rounded once, to nearest, by the commit;
+    the update reads the unrounded fp32 moments), the bounds widened by the store's half ulp."""
+    rule = SOAP(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for seed in range(4):
+        for grad, before, after, step, update in _steps(rule, shape, seed):
+            stored = {k: v.to(before[k].dtype) for k, v in after.items()}  # what the leaf's commit keeps
+            assert stored["exp_avg"].dtype == torch.bfloat16 and stored["L"].dtype == torch.float32
+            want, bound, checks = rule.recompute_matrix_step(grad.double(), before, stored, step)
+            worst = _worst(checks)
+            worst["D"] = float(((update.double() - want).abs() / bound).max())
+            assert max(worst.values()) <= 1.0, f"seed {seed} step {step}: {worst}"

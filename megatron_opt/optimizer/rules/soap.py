@@ -168,7 +168,7 @@ class SOAP(WholeTensorRule):
             return
         targets = []
         for i, (k, q) in enumerate(zip(factors, bases)):
-            eigenvalues = ((q.T @ k) * q.T).sum(dim=1)
+            eigenvalues = _diagonal_in_basis(k, q)
             scale = 1.0 / g.shape[i] * eigenvalues.clamp_min(self.eps) ** -1.0
             inverse = (q * scale[None, :]) @ q.T
             side = g.T if i == 1 else g
@@ -194,8 +194,11 @@ class SOAP(WholeTensorRule):
     def recompute_matrix_step(self, g: torch.Tensor, before: TensorDict, after: TensorDict, step: int
                               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
         """Part 2 in float64 at the home (soap_float64.py): (D, its elementwise bound, per state name (stored,
-        recomputed, bound)), given the eigenbases the step chose (see there why)."""
-        return recompute_soap_step(self, g, before, after, step)
+        recomputed, bound)), given the eigenbases the step chose (see there why) and the column order it took: its
+        own fp32 ops (``basis_order``) on the same stored bits, so the same order."""
+        with float32_matmul_precision(MATMUL_PRECISION):
+            orders = [basis_order(after[k], before[q]) for k, q in (("L", "Q_L"), ("R", "Q_R"))]
+        return recompute_soap_step(self, g, before, after, step, orders)
 
     def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
                          weight_decay: float, update_tolerance: torch.Tensor, matrix: MatrixFacts
@@ -213,12 +216,22 @@ def _project(x: torch.Tensor, bases: Sequence[torch.Tensor], back: bool = False)
     return x
 
 
+def _diagonal_in_basis(k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """diag(Q^T K Q): the factor's approximate eigenvalues in the basis Q."""
+    return ((q.T @ k) * q.T).sum(dim=1)
+
+
+def basis_order(k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The column order of basis ``q`` by descending approximate eigenvalue of factor ``k``."""
+    return torch.argsort(_diagonal_in_basis(k, q), descending=True)
+
+
 def _sorted_bases(factors: Sequence[torch.Tensor], bases: Sequence[torch.Tensor],
                   exp_avg_sq: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each basis's columns by descending approximate eigenvalue (diag(Q^T K Q)), exp_avg_sq permuted alike."""
     out = []
     for dim, (k, q) in enumerate(zip(factors, bases)):
-        order = torch.argsort(((q.T @ k) * q.T).sum(dim=1), descending=True)
+        order = basis_order(k, q)
         out.append(q[:, order])
         exp_avg_sq = exp_avg_sq.index_select(dim, order)
     return out, exp_avg_sq
@@ -233,4 +246,4 @@ def _eigenbasis(k: torch.Tensor) -> torch.Tensor:
     return torch.flip(vectors, [-1])
 
 
-__all__ = ["SOAP", "MATRIX_STATE"]
+__all__ = ["SOAP", "MATRIX_STATE", "basis_order"]

@@ -8,8 +8,8 @@ that is a continuous function of the pre-step state, the gradient and the choice
 
 * the choices: the new bases Q_L', Q_R' (stored) must be orthonormal and be what the step's method makes of the new
   factor: at the first step eigenvectors (K Q = Q diag, eigenvalues descending), after it the Q of a QR
-  decomposition of K Q_sorted (Q'^T K Q_sorted upper triangular); the column order is recomputed exactly (the
-  step's own fp32 ops on the same bits);
+  decomposition of K Q_sorted (Q'^T K Q_sorted upper triangular); the column order is the step's own (the rule
+  recomputes it with the step's fp32 ops on the same bits: soap.basis_order);
 * the factors L', R' from the pre-step factors, bases and the gradient (KL-Shampoo's clamped inverses included);
 * exp_avg' and exp_avg_sq' from the pre-step moments, the old and new bases and the gradient;
 * D from the stored exp_avg' and exp_avg_sq' and the new bases, and from it (the leaf) the masters.
@@ -20,12 +20,11 @@ roundoff, TF32's on CUDA at matmul precision 'high'), and an input's bound is ca
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from ..verify.float64_update import FP32_UNIT, SLACK, rounding_bound
-from .muon import float32_matmul_precision
 
 TF32_UNIT = 2.0**-11  # the unit roundoff of TF32's 10-bit mantissa (matmul precision 'high' on CUDA)
 # Orthogonality and the structure of Q (eigh, QR) are checked to (k + SLACK) u times this: LAPACK's and cuSOLVER's
@@ -115,10 +114,12 @@ def _basis_checks(k: torch.Tensor, q_sorted: torch.Tensor, q_new: torch.Tensor, 
     return torch.cat(got), torch.cat(want), torch.cat(bound)
 
 
-def recompute_soap_step(rule: Any, g: torch.Tensor, before: Tensors, after: Tensors, step: int
-                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+def recompute_soap_step(rule: Any, g: torch.Tensor, before: Tensors, after: Tensors, step: int,
+                        orders: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                 dict[str, tuple[torch.Tensor, ...]]]:
     """(D, its elementwise bound, {check name: (stored, recomputed, bound)}) of one matrix at its home, from the
-    float64 gradient ``g``, the per-matrix state ``before`` the step and as stored ``after`` it (module docstring)."""
+    float64 gradient ``g``, the per-matrix state ``before`` the step and as stored ``after`` it, and the column
+    order of each old basis the step took (``orders``: L's, R's; soap.basis_order) (module docstring)."""
     unit = _unit(after["L"].device)
     f64 = {name: t.double() for name, t in after.items()}
     old = {name: t.double() for name, t in before.items()}
@@ -136,11 +137,7 @@ def recompute_soap_step(rule: Any, g: torch.Tensor, before: Tensors, after: Tens
         want = kept + (1.0 - decay) * target
         checks[name] = (f64[name], want, rounding_bound(kept, (1.0 - decay) * target) + (1.0 - decay) * dtarget)
 
-    # The bases: the column order exactly as the step computed it (its fp32 ops on the same stored bits).
-    orders = []
-    for k32, q32 in ((after["L"], before["Q_L"]), (after["R"], before["Q_R"])):
-        with float32_matmul_precision("high"):  # soap.MATMUL_PRECISION
-            orders.append(torch.argsort(((q32.T @ k32) * q32.T).sum(dim=1), descending=True))
+    # The bases, each checked against the old one in the order the step took.
     for name, factor, order in (("Q_L", "L", orders[0]), ("Q_R", "R", orders[1])):
         checks[name] = _basis_checks(f64[factor], old[name][:, order], f64[name], step == 1, unit)
 
