@@ -26,7 +26,8 @@ import torch
 from .. import collectives
 from ..distributed.shard_view import GradSource
 from ..errors import CheckpointError
-from ..optimizer.state.view import (MatrixStateTensor, OptimizerStateView, first_nonfinite, homed_matrix_state,
+from ..optimizer.state.view import (MATRIX_STATE_SPLIT, MatrixStateTensor, OptimizerStateView, first_nonfinite,
+                                    homed_matrix_state,
                                     model_fingerprint, optimizer_fingerprint, owned_slices, param_entries, state_names,
                                     state_names_of)
 from .dcp_items import ParamChunk
@@ -177,11 +178,9 @@ def missing_matrix_state(keys: Sequence[str], saved_keys: Any) -> Optional[str]:
     missing = [k for k in keys if k not in saved_keys]
     if not missing:
         return None
-    return (f"it holds no {missing[0]} ({len(missing)} per-matrix state tensor(s) missing): the per-matrix state of "
-            f"a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so it loads at the tensor-parallel "
-            f"split that saved it (any data-parallel size), with the same optimizer. To go on at another split, load "
-            f"the model without the optimizer state (Megatron-LM's --no-load-optim; megatron_opt.checkpoint.load "
-            f"with optimizer=None): the optimizer then starts afresh")
+    return (f"it holds no {missing[0]} ({len(missing)} per-matrix state tensor(s) missing): {MATRIX_STATE_SPLIT}. "
+            f"To go on at another split, load the model without the optimizer state (Megatron-LM's --no-load-optim; "
+            f"megatron_opt.checkpoint.load with optimizer=None): the optimizer then starts afresh")
 
 
 @dataclass(frozen=True)

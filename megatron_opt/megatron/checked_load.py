@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 from .. import collectives
 from ..errors import CheckpointError
 from ..optimizer.state.torch_dist_layouts import FULLY_RESHARDABLE_FLAG
+from ..optimizer.state.view import MATRIX_STATE_SPLIT
 
 # prefix (the dp group and buffer), bucket index, state name
 _BUCKET_KEY = re.compile(r"^(?P<buffer>.*optimizer\.distributed\.dp_group_idx_\d+\.gbuf_idx_\d+\.dtype_.*)"
@@ -112,19 +113,15 @@ def check_bucket_layout(sharded_state_dict: Any, checkpoint_dir: Any) -> None:
 
 
 def _matrix_state_problem(requested: dict[str, tuple[int, ...]], checkpoint_dir: str) -> Optional[str]:
-    if not os.path.exists(os.path.join(checkpoint_dir, ".metadata")):
+    saved_keys = _saved_keys(checkpoint_dir)
+    if saved_keys is None:
         return None
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
     for key, shape in sorted(requested.items()):
-        have = getattr(saved.get(key), "size", None)
-        if have is None or tuple(have) != shape:
-            stored = f"stores it as {tuple(have)}" if have is not None else "does not hold it"
-            return (f"the optimizer checkpoint in {checkpoint_dir} {stored}, and this run asks for {key} as {shape}: "
-                    f"the per-matrix state of a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so "
-                    f"it loads at the tensor-parallel split that saved it (any data-parallel size), with the same "
-                    f"optimizer")
+        have = saved_keys.get(key)
+        if have != shape:
+            stored = f"stores it as {have}" if have is not None else "does not hold it"
+            return f"the optimizer checkpoint in {checkpoint_dir} {stored}, and this run asks for {key} as {shape}: " \
+                   f"{MATRIX_STATE_SPLIT}"
     return None
 
 

@@ -243,6 +243,13 @@ class MatrixStateTensor:
         self.tensor.copy_(values)
 
 
+# Why a checkpoint of another tensor-parallel split cannot give a rank its per-matrix state (both checkpoint
+# formats' refusals say it).
+MATRIX_STATE_SPLIT = ("the per-matrix state of a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so "
+                      "it loads at the tensor-parallel split that saved it (any data-parallel size), with the same "
+                      "optimizer")
+
+
 def homed_matrix_state(view: OptimizerStateView) -> list[MatrixStateTensor]:
     """Every per-matrix state tensor of the matrices homed on this rank, keyed in model space (none for
     rules whose state is elementwise)."""
@@ -271,4 +278,4 @@ def first_nonfinite(named: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
 __all__ = ["MASTER", "PieceView", "StateLeaf", "OwnedPiece", "LeafView", "leaf_view", "OptimizerStateView",
            "ParamEntry", "param_key", "param_entries", "state_names", "state_names_of", "model_fingerprint",
            "optimizer_fingerprint", "compatibility_problem", "StateSlice", "owned_slices", "MatrixStateTensor",
-           "homed_matrix_state", "first_nonfinite"]
+           "MATRIX_STATE_SPLIT", "homed_matrix_state", "first_nonfinite"]
