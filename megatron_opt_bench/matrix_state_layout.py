@@ -35,6 +35,7 @@ from megatron_opt.optimizer.rules.soap import SOAP
 from megatron_opt.optimizer.whole_tensor.homes import MatrixPlacement, assign_homes
 
 from .gpt_params import GptParam, gpt_params, is_muon_matrix
+from .markdown import table
 from .muon_layout import (DTYPES, MUON_BYTES, PRESETS, buffer_layout, muon_placements, muon_sends_per_rank,
                           owned_elements, write_report, zero1_sends_per_rank)
 
@@ -126,15 +127,12 @@ def markdown_table(rows: Sequence[SoapLayoutRow]) -> str:
     head = ("| model | dtype | DP | SOAP matrices | straddling | per-matrix state, all (GB) | megatron_opt: state "
             "max/mean | busiest rank GB (max/mean) | LayerWise: state max/mean | busiest rank GB (max/mean) "
             "| replicated GB/rank | refresh work max/mean | AdamW ZeRO-1 MB/step | SOAP extra MB/step | ratio |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.dtype} | {r.dp} | {r.matrices} | {r.straddling} | {r.state_total_gb:.1f} "
-            f"| {r.mo_state_max_over_mean:.3f} | {r.mo_total_max_gb:.2f} ({r.mo_total_max_over_mean:.3f}) "
-            f"| {r.lw_state_max_over_mean:.3f} | {r.lw_total_max_gb:.2f} ({r.lw_total_max_over_mean:.3f}) "
-            f"| {r.replicated_gb:.1f} | {r.refresh_max_over_mean:.3f} | {r.adamw_mb_per_step:,.0f} "
-            f"| {r.soap_extra_mb_per_step:,.0f} | {r.ratio:.3f} |")
-    return "\n".join(lines)
+    return table(head, (
+        f"| {r.model} | {r.dtype} | {r.dp} | {r.matrices} | {r.straddling} | {r.state_total_gb:.1f} "
+        f"| {r.mo_state_max_over_mean:.3f} | {r.mo_total_max_gb:.2f} ({r.mo_total_max_over_mean:.3f}) "
+        f"| {r.lw_state_max_over_mean:.3f} | {r.lw_total_max_gb:.2f} ({r.lw_total_max_over_mean:.3f}) "
+        f"| {r.replicated_gb:.1f} | {r.refresh_max_over_mean:.3f} | {r.adamw_mb_per_step:,.0f} "
+        f"| {r.soap_extra_mb_per_step:,.0f} | {r.ratio:.3f} |" for r in rows))
 
 
 def main(argv=None) -> int:

@@ -42,6 +42,7 @@ from megatron_opt.distributed.layout import BufferLayout, build_buffer_layout
 from megatron_opt.optimizer.whole_tensor.homes import MatrixPlacement, assign_homes, rank_costs, traffic_elements
 
 from .gpt_params import GptParam, GptShape, gpt_params, is_muon_matrix
+from .markdown import table
 
 # name: (param bytes, grad bytes); "bf16" reduces its grads in fp32 (grad_reduce_in_fp32), as Megatron-LM's recipes do
 DTYPES = {"bf16": (2, 4), "fp32": (4, 4), "bf16-grads": (2, 2)}
@@ -187,22 +188,18 @@ def layout_row(model: str, shape: GptShape, dtype: str, dp: int, split_qkv: bool
 def markdown_table(rows: Sequence[LayoutRow]) -> str:
     head = ("| model | params | dtype | DP | buckets | QKV split | homes | Muon matrices | straddling | NS max/mean "
             "| AdamW MB/step | Muon extra MB/step | ratio | busiest rank |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r.model} | {r.params / 1e9:.3f}B | {r.dtype} | {r.dp} | {r.buckets} "
-            f"| {'yes' if r.split_qkv else 'no'} "
-            f"| {r.homes} | {r.muon_matrices} | {r.straddling} | {r.ns_max_over_mean:.3f} | {r.adamw_bytes / 1e6:,.1f} "
-            f"| {r.muon_extra_bytes / 1e6:,.1f} | {r.ratio:.3f} | {r.busiest_rank_ratio:.3f} |")
-    return "\n".join(lines)
+    return table(head, (
+        f"| {r.model} | {r.params / 1e9:.3f}B | {r.dtype} | {r.dp} | {r.buckets} "
+        f"| {'yes' if r.split_qkv else 'no'} "
+        f"| {r.homes} | {r.muon_matrices} | {r.straddling} | {r.ns_max_over_mean:.3f} | {r.adamw_bytes / 1e6:,.1f} "
+        f"| {r.muon_extra_bytes / 1e6:,.1f} | {r.ratio:.3f} | {r.busiest_rank_ratio:.3f} |" for r in rows))
 
 
 def memory_table(rows: Sequence[LayoutRow]) -> str:
     """Per-rank optimizer memory (masters + rule state, the rank with most) of the rows."""
     head = ("| model | dtype | DP | AdamW ZeRO-1 MB/rank | Muon MB/rank | Muon / AdamW "
             "| Muon, bf16 momentum MB/rank | Muon bf16 / AdamW |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    seen = set()
+    lines, seen = [], set()
     for r in rows:
         if (r.model, r.dtype, r.dp) in seen:  # the QKV split and the homes change no memory
             continue
@@ -211,7 +208,7 @@ def memory_table(rows: Sequence[LayoutRow]) -> str:
             f"| {r.model} | {r.dtype} | {r.dp} | {r.adamw_state_bytes / 1e6:,.1f} | {r.muon_state_bytes / 1e6:,.1f} "
             f"| {r.muon_state_bytes / r.adamw_state_bytes:.3f} | {r.muon_bf16_momentum_state_bytes / 1e6:,.1f} "
             f"| {r.muon_bf16_momentum_state_bytes / r.adamw_state_bytes:.3f} |")
-    return "\n".join(lines)
+    return table(head, lines)
 
 
 def _csv(kind):
