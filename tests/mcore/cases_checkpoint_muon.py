@@ -34,7 +34,6 @@ import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
 from megatron.core import dist_checkpointing  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402
 
 import megatron_opt.checkpoint
@@ -93,10 +92,7 @@ def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: 
         muon_fp32_matmul_prec="highest", log_num_zeros_in_grad=True)
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
-    config.no_sync_func = ddps[0].no_sync
-    config.grad_sync_func = ddps[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = opt.scale_loss
+    cmp.wire_loop(config, ddps, opt, overlap=True)  # one chunk in every layout here
     return chunks, ddps, opt, CoreScheduler(opt, **schedule(GLOBAL * MB)), whole
 
 

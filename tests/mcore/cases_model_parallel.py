@@ -207,13 +207,20 @@ def setup(chunks: list, config: TransformerConfig, overlap: bool, bf16: bool, gl
         use_distributed_optimizer=True, log_num_zeros_in_grad=True)
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
+    wire_loop(config, ddps, opt, overlap)
+    return ddps, opt, CoreScheduler(opt, **schedule(global_batch))
+
+
+def wire_loop(config: TransformerConfig, ddps: list, opt: Any, overlap: bool) -> None:
+    """What Megatron-LM's setup puts on the model config for its schedule: the chunks' no_sync (and, with
+    --overlap-grad-reduce, start_grad_sync; align_grad_reduce on by default), one function for one chunk, a list
+    for several; megatron-core's finalize_model_grads; the optimizer's loss scaling."""
     one = (lambda funcs: funcs[0]) if len(ddps) == 1 else (lambda funcs: funcs)
     config.no_sync_func = one([ddp.no_sync for ddp in ddps])
-    if overlap:  # Megatron-LM's setup with --overlap-grad-reduce (align_grad_reduce on by default)
+    if overlap:
         config.grad_sync_func = one([ddp.start_grad_sync for ddp in ddps])
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
-    return ddps, opt, CoreScheduler(opt, **schedule(global_batch))
 
 
 def step_loss(losses: list, per_token: bool) -> Optional[float]:

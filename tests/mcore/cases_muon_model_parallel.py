@@ -28,7 +28,6 @@ import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402
 from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E402
 
@@ -131,12 +130,7 @@ def _setup(chunks: list, config, global_batch: int, options: dict):
         opt_config = core_optimizer.OptimizerConfig(**muon, **{nesterov: options["nesterov"]})
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
-    one = (lambda funcs: funcs[0]) if len(ddps) == 1 else (lambda funcs: funcs)
-    config.no_sync_func = one([ddp.no_sync for ddp in ddps])
-    if overlap:
-        config.grad_sync_func = one([ddp.start_grad_sync for ddp in ddps])
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = opt.scale_loss
+    cmp.wire_loop(config, ddps, opt, overlap)
     return ddps, opt, CoreScheduler(opt, **schedule(global_batch))
 
 

@@ -32,7 +32,6 @@ import megatron.core.distributed as core_distributed  # noqa: E402
 import megatron.core.optimizer as core_optimizer  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPConfig  # noqa: E402
-from megatron.core.distributed import finalize_model_grads  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402
 
 import megatron_opt as mo
@@ -91,10 +90,7 @@ def _setup(chunks: list, config, global_batch: int, bucket_size: int, eps: float
                                     soap_use_kl_shampoo=SOAP["use_kl_shampoo"], rule_constants={"soap_eps": eps})
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
-    config.no_sync_func = ddps[0].no_sync
-    config.grad_sync_func = ddps[0].start_grad_sync
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = opt.scale_loss
+    cmp.wire_loop(config, ddps, opt, overlap=True)
     return ddps, opt, CoreScheduler(opt, **cmm.schedule(global_batch))
 
 
