@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from .host_reduction import ReceiveSlots, all_reduce_on_host, reduce_scatter_on_host
+
 ProcessGroup = Optional[dist.ProcessGroup]
 Failure = Union[None, str, BaseException]
 T = TypeVar("T")
@@ -116,13 +118,15 @@ def _backend_lacks_reduce_scatter(exc: BaseException) -> bool:
     return isinstance(exc, (NotImplementedError, AttributeError)) or "support" in str(exc).lower()
 
 
-def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
+def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool,
+                   slots: Optional[ReceiveSlots] = None):
     """SUM-reduce ``full`` (same size on every rank) and leave this rank's equal chunk in ``shard``.
 
     ``shard`` may alias this rank's chunk of ``full`` (in-place, as Megatron does). CPU tensors (gloo)
-    take an in-place all-reduce (``_reduce_scatter_as_all_reduce``: faster there). A backend without
-    reduce-scatter gets the all-reduce too; that is decided per call (the backend refuses before any
-    traffic, the same way on every rank), so nothing is remembered between calls or groups.
+    take the host reduce-scatter (host_reduction.py: one all-to-all, the owner sums; ``slots`` is
+    its reusable receive space). A backend without reduce-scatter gets an in-place all-reduce; that is
+    decided per call (the backend refuses before any traffic, the same way on every rank), so nothing is
+    remembered between calls or groups.
     """
     _check_one_dtype("reduce_scatter", full, shard)
     n = world_size(group)
@@ -133,7 +137,8 @@ def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
     if full.numel() != shard.numel() * n:
         raise RuntimeError(f"reduce_scatter: {full.numel()} elements do not split into {n} chunks of {shard.numel()}")
     if full.device.type == "cpu":
-        return _reduce_scatter_as_all_reduce(full, shard, group, async_op)
+        handle = reduce_scatter_on_host(full, shard, group, async_op, slots)
+        return handle if async_op else _Done()
     try:
         work = _reduce_scatter_op()(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
         return work if async_op else _Done()
@@ -146,9 +151,7 @@ def reduce_scatter(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup,
 def _reduce_scatter_as_all_reduce(full: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool):
     """An in-place all-reduce of ``full``, then this rank's chunk into ``shard`` (nothing to copy when it
     is a view of it). The rest of ``full`` holds the sum too, where a reduce-scatter leaves it as it was;
-    nothing reads it (the shard is what the optimizer owns). On gloo this is the faster one: its
-    reduce-scatter copies the whole input into a staging buffer when it is issued (blocking the
-    backward that issues it) and took 1.1-2.3x the all-reduce's time at DP 2-4 (40M fp32 elements)."""
+    nothing reads it (the shard is what the optimizer owns). For a backend without reduce-scatter."""
     work = dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     handle = _AllReduceAsReduceScatter(work if async_op else None, full, shard, rank(group) * shard.numel())
     if not async_op:
@@ -194,9 +197,15 @@ def _all_gather_in_slices(full: torch.Tensor, shard: torch.Tensor, group: Proces
     return _Slices(works) if async_op else _Done()
 
 
-def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False):
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM, async_op: bool = False,
+               slots: Optional[ReceiveSlots] = None):
+    """``slots`` (a gradient shard's sum across optimizer instances): on CPU tensors the host all-reduce
+    (host_reduction.py: every rank adds the gathered copies in rank order) in that receive space."""
     if world_size(group) == 1:
         return _Done()
+    if slots is not None and tensor.device.type == "cpu" and op == dist.ReduceOp.SUM:
+        handle = all_reduce_on_host(tensor, group, async_op, slots)
+        return handle if async_op else _Done()
     work = dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     return work if async_op else _Done()
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .. import collectives
+from ..host_reduction import ReceiveSlots, finish_if_done, receive_numel
 from ..errors import LateGradientError  # noqa: F401  (defined in errors.py; still importable from here)
 from .layout import BufferLayout, Range
 from .normalisation import reduce_prescale
@@ -77,7 +78,7 @@ class Bucket:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if self.buffer.reduce_scatter and not all_reduce:
                 self.grad_handle = collectives.reduce_scatter(self.grad_data, self.grad_shard, self.buffer.group,
-                                                              async_op)
+                                                              async_op, self.buffer.receive_slots)
                 target = self.grad_shard
             else:
                 self.grad_handle = collectives.all_reduce(self.grad_data, self.buffer.group, async_op=async_op)
@@ -102,8 +103,15 @@ class Bucket:
         # waits; CUDA: the current stream waits, and the all-reduce is issued behind it).
         self._wait_grad_handle()
         target, self._inter_target = self._inter_target, None
-        self.inter_handle = collectives.all_reduce(target, self.buffer.inter_group, async_op=True)
+        slots = self.buffer.inter_slots if target is self.grad_shard else None  # force_all_reduce: whole bucket
+        self.inter_handle = collectives.all_reduce(target, self.buffer.inter_group, async_op=True, slots=slots)
         return True
+
+    def finish_grad_sync_if_arrived(self) -> None:
+        """On the CPU: finish a launched reduction whose data has arrived (its sum now, while the
+        backward goes on, not at its end). Partial sharding polls through ``start_inter_sync``."""
+        if self.buffer.inter_group is None and finish_if_done(self.grad_handle):
+            self.grad_handle = collectives.DONE
 
     def finish_grad_sync(self) -> None:
         self.start_grad_sync(async_op=False)
@@ -183,6 +191,16 @@ class ParamAndGradBuffer:
             p.data = view.view(p.shape)
             p.main_grad = self.grad_data[rng.start : rng.end].view(p.shape)
         self._stream: Optional[torch.cuda.Stream] = None
+        # The host reduce-scatter's receive space (CPU, sharded): two slots sized for the largest bucket, reused.
+        self.receive_slots: Optional[ReceiveSlots] = None
+        if reduce_scatter and self.shard_count > 1 and device.type == "cpu":
+            largest = max(b.range.end - b.range.start for b in layout.buckets)
+            self.receive_slots = ReceiveSlots(receive_numel(largest, self.shard_count, self.rank), grad_dtype)
+        # ... and the inter-instance all-reduce's (partial sharding): every instance's copy of one shard.
+        self.inter_slots: Optional[ReceiveSlots] = None
+        if reduce_scatter and inter_group is not None and device.type == "cpu":
+            largest = max(b.range.end - b.range.start for b in layout.buckets) // self.shard_count
+            self.inter_slots = ReceiveSlots(collectives.world_size(inter_group) * largest, grad_dtype)
         self.buckets = [
             Bucket(self, b.index, b.range, [params[i] for i in b.param_indices]) for b in layout.buckets
         ]

@@ -93,6 +93,8 @@ class BucketLaunchOrder:
             if not bucket.all_ready:
                 break
             self._launch(bucket, async_op=True, all_reduce=all_reduce)
+        for bucket in self.buckets[: self.launched]:
+            bucket.finish_grad_sync_if_arrived()
         self._launch_inter_syncs()
 
     def launch_rest(self, async_op: bool, all_reduce: bool) -> None:

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opt import collectives
+from megatron_opt.host_reduction import ReceiveSlots
 from megatron_opt.errors import RankError
 
 
@@ -60,38 +61,67 @@ def agree_each_step_traffic(fail_on: int, names_differ: bool) -> dict:
     return {"error": error, "reduced": reduced, "gathered": len(gathered)}
 
 
-def reduce_scatter_on_gloo_is_an_all_reduce() -> dict:
-    """On CPU tensors (gloo) reduce_scatter is an in-place all-reduce, whether or not the backend offers a
-    reduce-scatter: gloo's native one is never called, and the shard is the reduce-scatter's."""
+def host_reduce_scatter(dtype_name: str) -> dict:
+    """On CPU tensors (gloo) reduce_scatter sends each chunk to its owner, which sums in rank order:
+    neither gloo's reduce-scatter nor an all-reduce is called, the shard is bitwise
+    ((g_0 + g_1) + g_2) + ..., and the rest of ``full`` keeps this rank's own values. Three async
+    launches share two receive slots (the third finishes the first), in place and not. all_reduce with
+    receive slots leaves the same rank-order sum on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor") if hasattr(dist, n)]
+    dtype = getattr(torch, dtype_name)
+    names = [n for n in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce") if hasattr(dist, n)]
     real = {n: getattr(dist, n) for n in names}
     native_calls = []
-
-    def refuse(*a, **k):
-        raise NotImplementedError("reduce_scatter is not supported by this backend")
 
     def count(fn):
         return lambda *a, **k: (native_calls.append(1), fn(*a, **k))[1]
 
-    def one_round(in_place: bool) -> bool:
-        full = torch.arange(4.0 * world) + rank
-        shard = full[rank * 4 : (rank + 1) * 4] if in_place else torch.empty(4)
-        collectives.reduce_scatter(full, shard, None, async_op=False)
-        expected = sum(torch.arange(4.0 * world) + r for r in range(world))[rank * 4 : (rank + 1) * 4]
-        return torch.equal(shard, expected)
+    def grads(seed: int, r: int, n: int) -> torch.Tensor:
+        return torch.randn(n * world, generator=torch.Generator().manual_seed(1000 * seed + r)).to(dtype)
 
+    def expected(seed: int, n: int) -> torch.Tensor:
+        total = grads(seed, 0, n)
+        for r in range(1, world):
+            total = total + grads(seed, r, n)
+        return total[rank * n : (rank + 1) * n]
+
+    sizes = [5, 8, 3]  # per-rank chunk of each bucket
+    slots = ReceiveSlots(max(sizes) * world, dtype)
+    ok = []
     try:
         for n in names:
-            setattr(dist, n, refuse)
-        refused = one_round(False) and one_round(True)
-        for n in names:
             setattr(dist, n, count(real[n]))
-        offered = one_round(False) and one_round(True)
+        for in_place in (True, False):
+            fulls = [grads(b, rank, n) for b, n in enumerate(sizes)]
+            shards = [f[rank * n : (rank + 1) * n] if in_place else torch.full((n,), 7.0, dtype=dtype)
+                      for f, n in zip(fulls, sizes)]
+            handles = [collectives.reduce_scatter(f, s, None, async_op=True, slots=slots)
+                       for f, s in zip(fulls, shards)]
+            for h in handles:
+                h.wait()
+            for b, (f, s, n) in enumerate(zip(fulls, shards, sizes)):
+                rest = torch.cat([f[: rank * n], f[(rank + 1) * n :]])
+                own = grads(b, rank, n)
+                ok.append(torch.equal(s, expected(b, n))
+                          and torch.equal(rest, torch.cat([own[: rank * n], own[(rank + 1) * n :]])))
+            full = grads(9, rank, 4)
+            shard = torch.empty(4, dtype=dtype)
+            collectives.reduce_scatter(full, shard, None, async_op=False)
+            ok.append(torch.equal(shard, expected(9, 4)))
+        # the all-reduce with receive slots (a shard across optimizer instances): every rank holds the
+        # rank-order sum, bitwise
+        shards = [grads(20 + b, rank, n)[:n].clone() for b, n in enumerate(sizes)]
+        handles = [collectives.all_reduce(t, None, async_op=True, slots=slots) for t in shards]
+        for b, (t, h, n) in enumerate(zip(shards, handles, sizes)):
+            h.wait()
+            total = grads(20 + b, 0, n)
+            for r in range(1, world):
+                total = total + grads(20 + b, r, n)
+            ok.append(torch.equal(t, total[:n]))
     finally:
         for n, fn in real.items():
             setattr(dist, n, fn)
-    return {"refused_ok": refused, "offered_ok": offered, "native_calls": len(native_calls)}
+    return {"ok": ok, "native_calls": len(native_calls), "slots_allocated": slots.allocated}
 
 
 def agree_each_step_over_two_groups(fail_on: int) -> str:

@@ -215,12 +215,14 @@ def _tensors(value):
 
 
 def _inside_torch_distributed() -> bool:
-    """True when the op is issued by torch.distributed's Python code (e.g. gloo's reduce_scatter
-    copies its result into the output shard inside work.wait()): part of the collective, not a pass."""
+    """True when the op is issued by a collective's own code: torch.distributed's Python (e.g. gloo's
+    reduce_scatter copies its result into the output shard inside work.wait()), or megatron_opt's host
+    reduce-scatter, whose owner adds the chunks it received (the sum gloo's all-reduce does inside
+    gloo). Part of the collective, not a pass."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename.replace("\\", "/")
-        if "/torch/distributed/" in filename:
+        if "/torch/distributed/" in filename or filename.endswith("/megatron_opt/host_reduction.py"):
             return True
         frame = frame.f_back
     return False

@@ -1,5 +1,5 @@
 """collectives.py: one agreement helper (every rank raises together, with the failing rank's message
-or the first differing item), its cheap per-step form, and a reduce-scatter fallback decided per call."""
+or the first differing item), its cheap per-step form, and the host reduce-scatter of CPU tensors."""
 from __future__ import annotations
 
 import pytest
@@ -45,9 +45,14 @@ def test_agree_each_step_is_one_small_all_reduce_unless_something_is_wrong(pools
             assert res["error"].startswith("RankError: train_step failed on rank 1: ValueError: bad batch"), res
 
 
-def test_reduce_scatter_on_gloo_is_an_in_place_all_reduce(pools):
-    for res in pools(3).run(cc.reduce_scatter_on_gloo_is_an_all_reduce):
-        assert res == {"refused_ok": True, "offered_ok": True, "native_calls": 0}, res
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_host_reductions_on_gloo_sum_in_rank_order(pools, world, dtype):
+    for res in pools(world).run(cc.host_reduce_scatter, dtype):
+        # (3 buckets + one synchronous call) x (in place, not), each bitwise the rank-order sum with
+        # the rest of the bucket untouched, then 3 all-reduces; no gloo reduce-scatter or all-reduce;
+        # two slots reused
+        assert res == {"ok": [True] * 11, "native_calls": 0, "slots_allocated": 2}, res
 
 
 def test_agree_each_step_reaches_ranks_through_later_groups(pools):

@@ -76,6 +76,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"errors", "_C"},  # _C: the compiled extension (csrc/)
     {"ops"},
     {"config", "core_config_fields"},
+    {"host_reduction"},
     {"config_conversion", "collectives"},
     {"distributed"},
     {"optimizer"},
