@@ -135,7 +135,8 @@ def plot(results: list[dict], path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"), required=True)
+    p.add_argument("--main", nargs=2, metavar=("DIR", "PYTHON"), help="Megatron-LM's tree and its Python (required "
+                   "unless --combine)")
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--sizes", nargs="+", default=["100M"], choices=list(SIZES))
     p.add_argument("--pairs", type=int, default=2, help="runs of each side, alternating (default 2)")
@@ -146,7 +147,17 @@ def main() -> int:
     p.add_argument("--out", default="megatron_lm_bench.json")
     p.add_argument("--logs", default=None)
     p.add_argument("--dry-run", action="store_true", help="print the command lines only")
+    p.add_argument("--combine", nargs="+", metavar="JSON", default=None,
+                   help="run nothing: the table and plot of earlier runs' --out files together, at --out")
     opts = p.parse_args()
+    if opts.combine:
+        results = [r for path in opts.combine for r in json.load(open(path))]
+        with open(os.path.splitext(opts.out)[0] + ".md", "w") as f:
+            f.write(table(results))
+        plot(results, os.path.splitext(opts.out)[0] + ".png")
+        return 0
+    if not opts.main:
+        p.error("--main DIR PYTHON is required (Megatron-LM's tree and the Python that runs it)")
     mlm_dir, python = opts.main
     logs = opts.logs or os.path.splitext(opts.out)[0] + "_logs"
     os.makedirs(logs, exist_ok=True)
