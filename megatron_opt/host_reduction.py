@@ -70,12 +70,18 @@ class HostReduction:
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
 
+    def abandon(self) -> None:
+        """Drop the sum (its bucket was reset before the reduction was waited for, e.g. a step that failed):
+        the data still arrives into the slot, which is reused only after that, but ``out`` is never written."""
+        self._out = None
+
     def wait(self) -> None:
         if self._done:
             return
         if self._work is not None:
             self._work.wait()
-        _sum_in_rank_order(self._chunks, self._out, self._first_is_received)
+        if self._out is not None:
+            _sum_in_rank_order(self._chunks, self._out, self._first_is_received)
         self._done = True
         self._chunks = []
         if self._slots is not None:
@@ -154,6 +160,13 @@ def all_reduce_on_host(tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
     if not async_op:
         handle.wait()
     return handle
+
+
+def abandon(handle) -> None:
+    """A reset bucket's handle: a host reduction still pending never writes its result (see
+    ``HostReduction.abandon``); any other handle is left alone."""
+    if isinstance(handle, HostReduction):
+        handle.abandon()  # nothing left to drop once it was waited
 
 
 def finish_if_done(handle) -> bool:

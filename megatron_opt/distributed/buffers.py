@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .. import collectives
-from ..host_reduction import ReceiveSlots, finish_if_done, receive_numel
+from ..host_reduction import ReceiveSlots, abandon, finish_if_done, receive_numel
 from ..errors import LateGradientError  # noqa: F401  (defined in errors.py; still importable from here)
 from .layout import BufferLayout, Range
 from .normalisation import reduce_prescale
@@ -47,6 +47,10 @@ class Bucket:
         return self.grad_handle is not None
 
     def reset(self) -> None:
+        # A host reduction still pending (a step that failed before finish_grad_sync) must not write its
+        # sum into the next step's gradients when its receive slot is next needed.
+        abandon(self.grad_handle)
+        abandon(self.inter_handle)
         self._pending = {id(p) for p in self.params}
         self.grad_handle = None
         self.inter_handle = None

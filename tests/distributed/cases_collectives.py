@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_opt import collectives
-from megatron_opt.host_reduction import ReceiveSlots
+from megatron_opt.host_reduction import ReceiveSlots, abandon
 from megatron_opt.errors import RankError
 
 
@@ -118,6 +118,19 @@ def host_reduce_scatter(dtype_name: str) -> dict:
             for r in range(1, world):
                 total = total + grads(20 + b, r, n)
             ok.append(torch.equal(t, total[:n]))
+        # an abandoned reduction (its bucket reset before the wait) never writes its shard, even when the
+        # next launches need its slot and so wait for it
+        full = grads(30, rank, 8)
+        shard = torch.full((8,), 7.0, dtype=dtype)
+        dropped = collectives.reduce_scatter(full, shard, None, async_op=True, slots=slots)
+        abandon(dropped)
+        later = [grads(31 + b, rank, 8) for b in range(2)]
+        outs = [torch.empty(8, dtype=dtype) for _ in later]
+        handles = [collectives.reduce_scatter(f, o, None, async_op=True, slots=slots) for f, o in zip(later, outs)]
+        for b, (h, out) in enumerate(zip(handles, outs)):
+            h.wait()
+            ok.append(torch.equal(out, expected(31 + b, 8)))
+        ok.append(bool((shard == 7.0).all()))
     finally:
         for n, fn in real.items():
             setattr(dist, n, fn)
