@@ -41,6 +41,7 @@ class ReceiveSlots:
         self._holders: list["HostReduction"] = []  # in launch order
 
     def take(self, numel: int) -> torch.Tensor:
+        """A whole free slot (the caller uses its first ``numel`` elements)."""
         if numel > self.numel:
             raise RuntimeError(f"ReceiveSlots: {numel} elements asked of slots of {self.numel}")
         if not self._free and self.allocated < self.count:
@@ -48,14 +49,14 @@ class ReceiveSlots:
             self.allocated += 1
         while not self._free:
             self._holders[0].wait()  # returns its slot
-        return self._free.pop()[:numel]
+        return self._free.pop()
 
     def hold(self, handle: "HostReduction") -> None:
         self._holders.append(handle)
 
     def give_back(self, handle: "HostReduction", slot: torch.Tensor) -> None:
         self._holders.remove(handle)
-        self._free.append(slot._base if slot._base is not None else slot)
+        self._free.append(slot)
 
 
 class HostReduction:
@@ -66,6 +67,8 @@ class HostReduction:
         self._work, self._chunks, self._out, self._first_is_received = work, chunks, out, first_is_received
         self._slots, self._slot = slots, slot
         self._done = False
+        if slots is not None:
+            slots.hold(self)  # its slot is reused only after its sum
 
     def is_completed(self) -> bool:
         return self._done or self._work is None or self._work.is_completed()
@@ -120,27 +123,17 @@ def reduce_scatter_on_host(full: torch.Tensor, shard: torch.Tensor, group: Optio
     chunk = shard.numel()
     own = full[rank * chunk : (rank + 1) * chunk]
     at_an_end = rank in (0, world - 1)
-    receive = receive_numel(full.numel(), world, rank)
-    slot = slots.take(receive) if slots is not None else torch.empty(receive, dtype=full.dtype)
+    slot, received = _receive_space(slots, receive_numel(full.numel(), world, rank), full.dtype)
     if at_an_end:
         send = full[chunk:] if rank == 0 else full[: (world - 1) * chunk]
         splits = [0 if r == rank else chunk for r in range(world)]
     else:
         send, splits = full, [chunk] * world
-    if full.dtype in _AS_BYTES:
-        slot_wire, send_wire = slot.view(torch.uint8), send.view(torch.uint8)
-        splits = [s * full.element_size() for s in splits]
-    else:
-        slot_wire, send_wire = slot, send
-    work = dist.all_to_all_single(slot_wire, send_wire, splits, splits, group=group, async_op=async_op)
-    received = list(slot.split(chunk))
-    chunks = received[:rank] + [own] + received[rank:] if at_an_end else received
-    handle = HostReduction(work if async_op else None, chunks, shard, rank != 0, slots, slot)
-    if slots is not None:
-        slots.hold(handle)
-    if not async_op:
-        handle.wait()
-    return handle
+    splits = [s * full.element_size() // _wire(full).element_size() for s in splits]  # bytes for bfloat16
+    work = dist.all_to_all_single(_wire(received), _wire(send), splits, splits, group=group, async_op=async_op)
+    parts = list(received.split(chunk))
+    chunks = parts[:rank] + [own] + parts[rank:] if at_an_end else parts
+    return _started(HostReduction(work if async_op else None, chunks, shard, rank != 0, slots, slot), async_op)
 
 
 def all_reduce_on_host(tensor: torch.Tensor, group: Optional[dist.ProcessGroup], async_op: bool,
@@ -148,15 +141,26 @@ def all_reduce_on_host(tensor: torch.Tensor, group: Optional[dist.ProcessGroup],
     """SUM-reduce ``tensor`` in place over ``group``: every rank gathers every copy and adds them in rank
     order, so every rank holds the same bits. ``slots``: reused receive space (None: a fresh tensor)."""
     world, n = dist.get_world_size(group), tensor.numel()
-    slot = slots.take(world * n) if slots is not None else torch.empty(world * n, dtype=tensor.dtype)
+    slot, received = _receive_space(slots, world * n, tensor.dtype)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    if tensor.dtype in _AS_BYTES:
-        work = gather(slot.view(torch.uint8), tensor.view(torch.uint8), group=group, async_op=async_op)
-    else:
-        work = gather(slot, tensor, group=group, async_op=async_op)
-    handle = HostReduction(work if async_op else None, list(slot.split(n)), tensor, True, slots, slot)
-    if slots is not None:
-        slots.hold(handle)
+    work = gather(_wire(received), _wire(tensor), group=group, async_op=async_op)
+    return _started(HostReduction(work if async_op else None, list(received.split(n)), tensor, True, slots, slot),
+                    async_op)
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """What the collective moves: bytes for bfloat16 (``_AS_BYTES``), else the tensor itself."""
+    return tensor.view(torch.uint8) if tensor.dtype in _AS_BYTES else tensor
+
+
+def _receive_space(slots: Optional[ReceiveSlots], numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the slot, its first ``numel`` elements): from ``slots``, or a fresh tensor when there are none."""
+    slot = slots.take(numel) if slots is not None else torch.empty(numel, dtype=dtype)
+    return slot, slot[:numel]
+
+
+def _started(handle: HostReduction, async_op: bool) -> HostReduction:
+    """The handle of a launched host reduction, finished now unless ``async_op``."""
     if not async_op:
         handle.wait()
     return handle
@@ -178,4 +182,5 @@ def finish_if_done(handle) -> bool:
     return False
 
 
-__all__ = ["ReceiveSlots", "HostReduction", "receive_numel", "reduce_scatter_on_host", "finish_if_done"]
+__all__ = ["ReceiveSlots", "HostReduction", "receive_numel", "reduce_scatter_on_host", "all_reduce_on_host",
+           "abandon", "finish_if_done"]

@@ -196,15 +196,15 @@ class ParamAndGradBuffer:
             p.main_grad = self.grad_data[rng.start : rng.end].view(p.shape)
         self._stream: Optional[torch.cuda.Stream] = None
         # The host reduce-scatter's receive space (CPU, sharded): two slots sized for the largest bucket, reused.
+        largest = max(b.range.end - b.range.start for b in layout.buckets)
         self.receive_slots: Optional[ReceiveSlots] = None
         if reduce_scatter and self.shard_count > 1 and device.type == "cpu":
-            largest = max(b.range.end - b.range.start for b in layout.buckets)
             self.receive_slots = ReceiveSlots(receive_numel(largest, self.shard_count, self.rank), grad_dtype)
         # ... and the inter-instance all-reduce's (partial sharding): every instance's copy of one shard.
         self.inter_slots: Optional[ReceiveSlots] = None
         if reduce_scatter and inter_group is not None and device.type == "cpu":
-            largest = max(b.range.end - b.range.start for b in layout.buckets) // self.shard_count
-            self.inter_slots = ReceiveSlots(collectives.world_size(inter_group) * largest, grad_dtype)
+            self.inter_slots = ReceiveSlots(collectives.world_size(inter_group) * (largest // self.shard_count),
+                                            grad_dtype)
         self.buckets = [
             Bucket(self, b.index, b.range, [params[i] for i in b.param_indices]) for b in layout.buckets
         ]
