@@ -192,7 +192,7 @@ class OptimizerConfig:
     muon_tp_mode: str = "blockwise"  # blockwise / duplicated / distributed: only meaningful at TP > 1
     muon_extra_scale_factor: float = 1.0
     # optimizer='adaptive_muon': Muon's muon_* fields and megatron-core's adaptive_muon_* (docs/muon.md).
-    adaptive_muon_moment2_method: str = "adamuon"  # 'adamuon' only ('normuon' refused by name)
+    adaptive_muon_moment2_method: str = "adamuon"  # 'adamuon' (elementwise) or 'normuon' (per row, per matrix)
     adaptive_muon_beta2: float = 0.95
     adaptive_muon_eps: float = 1e-8
     # optimizer='soap': megatron-core's soap_* fields (SOAP's betas are adam_beta1 / adam_beta2; docs/muon.md).

@@ -162,8 +162,9 @@ def matrix_state_key(m: MatrixStateTensor, places: dict[str, Placement]) -> str:
     of it starts and its shape (a TP-local block's state belongs to that block: another tensor-parallel split
     has other blocks, so other keys)."""
     place = places[m.key]
-    offset = place.pieces[0].offset if place.pieces else (0,) * len(m.param.shape)
-    block = ",".join(str(o) for o in offset) + "+" + "x".join(str(n) for n in m.param.shape)
+    origin = place.pieces[0].offset if place.pieces else (0,) * len(m.param.shape)
+    offset = tuple(o + b for o, b in zip(origin, m.offset))  # the state's block (matrix_state_tp_size) within it
+    block = ",".join(str(o) for o in offset) + "+" + "x".join(str(n) for n in m.shape)
     return f"optim/matrix/{m.state}/{place.key}@{block}"
 
 

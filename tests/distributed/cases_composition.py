@@ -12,6 +12,7 @@ import torch.distributed as dist
 import megatron_opt as mo
 from tests.distributed import cases_muon
 from tests.distributed.cases_parity import MasterWeightReference
+from tests.support import reference_adaptive_muon as ram
 from tests.support import reference_muon as rm
 from tests.support.common import (TinyLM, assert_identical_across_ranks, flat_params, global_batch, microbatch_contexts,
                     rank_microbatches, rel_l2, token_loss_sum, train_with_reference, whole_from_parts)
@@ -134,7 +135,9 @@ def run_muon_combination(c: dict) -> dict:
     shards) with verify mode raising at every step, against tests/support/reference_muon.py in float64 on
     the same global batch; per step the worst param error (relative to the reference's change since the
     start; the fp32 masters), the whole model's (update: rel L2 over all params), the worst momentum error
-    (relative) and the grad-norm error, or the error (type: message) if one was raised."""
+    (relative) and the grad-norm error, or the error (type: message) if one was raised. ``c["moment2"]``
+    'adamuon' / 'normuon' (absent or None: Muon): AdaptiveMuon with that second moment, against
+    tests/support/reference_adaptive_muon.py."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(c["seed"])
     model = cases_muon.MuonNet()
@@ -147,7 +150,12 @@ def run_muon_combination(c: dict) -> dict:
     ref = ref.double()
     opt_kw = dict(momentum=c["momentum"], nesterov=c["nesterov"], num_ns_steps=c["ns_steps"],
                   scale_mode=c["scale_mode"], extra_scale_factor=c["extra_scale"], split_qkv=c["split_qkv"])
-    reference = rm.reference_muon(ref, c["lr"], c["wd"], split_shapes=cases_muon.SPLIT, **opt_kw)
+    moment2 = c.get("moment2")
+    if moment2 is None:
+        reference = rm.reference_muon(ref, c["lr"], c["wd"], split_shapes=cases_muon.SPLIT, **opt_kw)
+    else:
+        reference = ram.reference_adaptive_muon(ref, c["lr"], c["wd"], split_shapes=cases_muon.SPLIT,
+                                                moment2_method=moment2, **opt_kw)
     ref_params = dict(ref.named_parameters())
     initial = {n: p.detach().clone() for n, p in ref_params.items()}
     muon_names = sorted(n for n, p in model.named_parameters() if rm.uses_muon(p))
@@ -158,11 +166,12 @@ def run_muon_combination(c: dict) -> dict:
             overlap_grad_reduce=c["overlap"], overlap_param_gather=c["overlap"] and c["sharded"],
             bucket_size=c["bucket_size"]))
         opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
-            optimizer="muon", lr=c["lr"], weight_decay=c["wd"], clip_grad=c["clip_grad"], bf16=c["precision"] == "bf16",
+            optimizer="muon" if moment2 is None else "adaptive_muon", lr=c["lr"], weight_decay=c["wd"],
+            clip_grad=c["clip_grad"], bf16=c["precision"] == "bf16",
             use_distributed_optimizer=c["sharded"], muon_momentum=c["momentum"], muon_nesterov=c["nesterov"],
             muon_num_ns_steps=c["ns_steps"], muon_scale_mode=c["scale_mode"], muon_extra_scale_factor=c["extra_scale"],
             muon_split_qkv=c["split_qkv"], muon_fp32_matmul_prec=c["matmul_prec"], verify_interval=1,
-            verify_action="raise"), ddp)
+            verify_action="raise", adaptive_muon_moment2_method=moment2 or "adamuon"), ddp)
         for step in range(c["steps"]):
             ddp.zero_grad_buffer()
             opt.zero_grad()

@@ -110,6 +110,64 @@ def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, i
     return out
 
 
+# A TP1 run that keeps the blocks of a TP2 split (matrix_state_tp_size 2): 'a' split over TP by rows, 'b' by columns
+# (megatron-core's tensor_model_parallel / partition_dim attributes, as at TP1 too), 'c' not split (whole).
+TP_SPLIT = {"a.weight": 0, "b.weight": 1}
+
+
+def train_blocks(steps: int, verify: bool = False) -> dict:
+    """megatron_opt's SOAP at TP1 with matrix_state_tp_size 2 against emerging-optimizers' SOAP run on each TP2 block
+    as its own param (a split matrix's halves along its partition dim; 'c' whole), fed the exact gradient's blocks:
+    per step the params' error relative to their change, and this rank's homed blocks' L and R against the
+    reference's. ``verify``: verify mode raising at every step (SOAP's float64 checks, per block)."""
+    from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
+
+    world = dist.get_world_size()
+    model = SoapNet()
+    for name, dim in TP_SPLIT.items():
+        param = model.get_parameter(name)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
+        optimizer="soap", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
+        use_distributed_optimizer=True, rule_constants={"matrix_state_tp_size": 2}, verify_interval=int(verify),
+        verify_action="raise"), ddp)
+    start = {n: p.detach().clone() for n, p in SoapNet().named_parameters()}
+
+    def blocks_of(name: str, t: torch.Tensor) -> list[torch.Tensor]:
+        return list(t.chunk(2, dim=TP_SPLIT[name])) if name in TP_SPLIT else [t]
+
+    ref = {(n, b): torch.nn.Parameter(block.clone())
+           for n, t in start.items() for b, block in enumerate(blocks_of(n, t))}
+    reference = EmergingSOAP(list(ref.values()), lr=LR, betas=BETAS, shampoo_beta=0.95, eps=1e-8,
+                             weight_decay=WEIGHT_DECAY, use_kl_shampoo=True)
+    out = dict(success=[], param_err=[], factor_err=[], homed=[])
+    for step in range(steps):
+        success, _, _ = _step(ddp, opt, step)
+        grads = exact_gradient(step, world)
+        for (n, b), p in ref.items():
+            p.grad = blocks_of(n, grads[n])[b].clone()
+        reference.step()
+        out["success"].append(bool(success))
+        whole = {n: torch.cat([ref[(n, b)].detach() for b in range(len(blocks_of(n, t)))], dim=TP_SPLIT.get(n, 0))
+                 for n, t in start.items()}
+        out["param_err"].append({n: float((p.detach() - whole[n]).norm() / (whole[n] - start[n]).norm())
+                                 for n, p in model.named_parameters()})
+        homed = opt.state_dict().get("matrix_state", {})
+        out["homed"] = sorted(homed.get("L", {}))
+        errs = {}
+        for f in ("L", "R"):
+            for key, t in homed.get(f, {}).items():
+                name, _, offset = key.partition("@")
+                block = int(any(int(o) for o in offset.split(","))) if offset else 0
+                theirs = reference.state[ref[(name, block)]][f]
+                errs[f"{key}:{f}"] = float((t - theirs).norm() / theirs.norm())
+        out["factor_err"].append(errs)
+    out["verified"] = opt.verify_report.verified_steps if verify else None
+    return out
+
+
 def resume(path: str, phase: str, steps: int, resave_path: str = "") -> dict:
     """'straight': ``steps`` steps. 'first': half, then megatron_opt.checkpoint.save. 'second': load (at this pool's
     DP size), save again as ``resave_path``, then the other half. Returns the params and this rank's per-matrix
@@ -248,5 +306,5 @@ def verified(steps: int, fault: str = "none", use_kl_shampoo: bool = True, weigh
     return out
 
 
-__all__ = ["SoapNet", "MATRICES", "train", "verified", "resume", "state_dict_round_trip",
+__all__ = ["SoapNet", "MATRICES", "train", "train_blocks", "verified", "resume", "state_dict_round_trip",
            "state_dict_without_matrix_state"]

@@ -39,6 +39,23 @@ def test_soap_matches_emerging_optimizers_soap(pools, world):
     _check(pools(world).run(cases_soap.train, 5, timeout=TIMEOUT), 5)
 
 
+@pytest.mark.parametrize("world, verify", [(1, False), (3, False), (2, True)])
+def test_soap_keeping_the_blocks_of_a_tp2_split_runs_on_each_block(pools, world, verify):
+    """matrix_state_tp_size 2 at TP1 (a TP2 checkpoint's state, loaded): each TP-split matrix's state is its TP2
+    blocks' (rows of 'a', columns of 'b'; 'c' whole), each block homed once and stepped as emerging-optimizers'
+    SOAP steps that block alone; verify mode checks each block's step."""
+    results = pools(world).run(cases_soap.train_blocks, 4, verify, timeout=TIMEOUT)
+    assert all(res["verified"] == (4 if verify else None) for res in results), results
+    homed = []
+    for rank, res in enumerate(results):
+        assert res["success"] == [True] * 4
+        for step, (perr, ferr) in enumerate(zip(res["param_err"], res["factor_err"])):
+            assert max(perr.values()) <= PARAM, f"rank {rank} step {step}: {perr}"
+            assert max(ferr.values(), default=0.0) <= FACTOR, f"rank {rank} step {step}: {ferr}"
+        homed += res["homed"]
+    assert sorted(homed) == ["a.weight@0,0", "a.weight@5,0", "b.weight@0,0", "b.weight@0,5", "c.weight"], homed
+
+
 def test_soap_homed_off_its_only_owner(pools):
     """Buckets of 100 elements at DP 3: no matrix straddles ranks, and a matrix wholly on one rank is homed on
     another (homes anywhere), so the exchange must still run (found by the fuzzer: it was skipped, and the home

@@ -83,7 +83,8 @@ def test_muon_dp2_sharded_with_overlap_trains_as_unsharded_muon(tmp_path):
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=NORM_RTOL, abs=0), (ours, theirs)
 
 
-@pytest.mark.parametrize("optimizer", ["adaptive_muon", "soap"])
+@pytest.mark.parametrize("optimizer", ["adaptive_muon", "adaptive_muon --adaptive-muon-moment2-method normuon",
+                                       "soap"])
 def test_the_rest_of_the_family_trains_with_verify_mode_on_megatron_cores_gpt(tmp_path, optimizer):
     """--optimizer adaptive_muon / soap with Megatron-LM's defaults (bf16 Newton-Schulz: --muon-fp32-matmul-prec
     medium) on megatron-core's GPTModel, sharded with both overlaps, verify mode on every step: it trains and no
@@ -91,9 +92,9 @@ def test_the_rest_of_the_family_trains_with_verify_mode_on_megatron_cores_gpt(tm
     megatron-core's model also needs the QKV weights tagged for AdaptiveMuon, as for Muon.)"""
     pytest.importorskip("megatron.core")
     flags = [f for f in TINY if f not in ("muon", "--muon-fp32-matmul-prec", "high")]
-    log = tmp_path / f"{optimizer}.jsonl"
-    cmd = [*TORCHRUN, "--nproc_per_node=2", SCRIPT, *flags, optimizer, "--use-mcore-models", "--verify-interval",
-           "1", "--log-json", str(log), *SHARDED]
+    log = tmp_path / "log.jsonl"
+    cmd = [*TORCHRUN, "--nproc_per_node=2", SCRIPT, *flags, *optimizer.split(), "--use-mcore-models",
+           "--verify-interval", "1", "--log-json", str(log), *SHARDED]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]

@@ -37,6 +37,7 @@ from megatron.core.distributed import DistributedDataParallelConfig as CoreDDPCo
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as CoreScheduler  # noqa: E402
 
 import megatron_opt.checkpoint
+import megatron_opt as mo
 import megatron_opt.megatron
 
 LAYOUTS = {"dp": cmp.Layout(), "tp2": cmp.Layout(tp=2)}
@@ -73,10 +74,12 @@ def _mark_qkv(chunk: Any, config: Any) -> None:
             param.qkv_split_shapes = split
 
 
-def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: str = "muon") -> tuple:
+def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: str = "muon",
+          **extra: Any) -> tuple:
     """Megatron-LM's setup_model_and_optimizer with --optimizer muon, through megatron-core's names (inside
     _installed), from the whole model's weights ``whole`` (built outside it: megatron-core's layers take
-    their TP split from parallel_state): (chunks, ddps, opt, sched, whole)."""
+    their TP split from parallel_state): (chunks, ddps, opt, sched, whole). ``extra``: more OptimizerConfig
+    fields."""
     layout, dp, _ = _sizes(layout_name)
     config = cmp.transformer_config(layout, True, torch.float32)
     chunks = cmp.build_chunks(layout, config, whole)
@@ -86,10 +89,12 @@ def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: 
                                use_distributed_optimizer=True, bucket_size=None)
     ddps = [core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
             for chunk in chunks]
-    opt_config = core_optimizer.OptimizerConfig(
+    # megatron_opt's own settings (rule_constants) need its OptimizerConfig, which install()'s factory takes too
+    config_type = mo.OptimizerConfig if "rule_constants" in extra else core_optimizer.OptimizerConfig
+    opt_config = config_type(
         optimizer=optimizer, lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9, adam_beta2=0.999,
         adam_eps=1e-8, use_distributed_optimizer=True, muon_momentum=0.9, muon_tp_mode=tp_mode,
-        muon_fp32_matmul_prec="highest", log_num_zeros_in_grad=True)
+        muon_fp32_matmul_prec="highest", log_num_zeros_in_grad=True, **extra)
     with cpu_megatron_core():
         opt = core_optimizer.get_megatron_optimizer(opt_config, ddps, use_gloo_process_groups=True)
     cmp.wire_loop(config, ddps, opt, overlap=True)  # one chunk in every layout here

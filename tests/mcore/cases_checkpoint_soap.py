@@ -1,10 +1,11 @@
 """Worker-side cases: SOAP's per-matrix state (optimizer='soap' through install(), megatron-core's GPTModel) in
 Megatron-LM's torch_dist formats and megatron_opt.checkpoint (tests/mcore/cases_checkpoint_muon.py's harness with
-optimizer='soap'). What is compared: every rank's per-matrix state as ``optimizer.state_dict()['matrix_state']``
-gives it (the matrices homed there), gathered to rank 0, and the losses and params of the continuation."""
+optimizer='soap'; or ``optimizer`` / ``extra`` another rule with per-matrix state: AdaptiveMuon's NorMuon). What is
+compared: every rank's per-matrix state as ``optimizer.state_dict()['matrix_state']`` gives it (the matrices homed
+there), gathered to rank 0, and the losses and params of the continuation."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,14 +36,15 @@ def params(chunks: list) -> dict:
     return {n: p.detach().clone() for i, c in enumerate(chunks) for n, p in c.named_parameters()}
 
 
-def run_save(path: str, before: int, after: int, layout_name: str = "dp") -> dict:
+def run_save(path: str, before: int, after: int, layout_name: str = "dp", optimizer: str = "soap",
+             extra: Optional[dict] = None) -> dict:
     """``before`` steps, save in every format, ``after`` more steps (the uninterrupted run); ``layout_name``:
     cases_checkpoint_muon's ('dp', or 'tp2': blockwise, each TP block's state at its home)."""
     mcore_cpu.init_parallel_state()
     layout = ccm.LAYOUTS[layout_name]
     whole = ccm.ccmp._whole_init(0, layout)
     with ccm._installed(layout):
-        chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer="soap")
+        chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer=optimizer, **(extra or {}))
         batches = ccm.plan(before + after)
         ccm.train(layout_name, ddps, opt, sched, batches[:before])
         for fmt in ccm.FORMATS:
@@ -52,7 +54,8 @@ def run_save(path: str, before: int, after: int, layout_name: str = "dp") -> dic
         return {"saved": saved, "losses": losses, "params": params(chunks)}
 
 
-def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, layout_name: str = "dp") -> dict:
+def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, layout_name: str = "dp",
+             optimizer: str = "soap", extra: Optional[dict] = None) -> dict:
     """Per format: a fresh run (other weights) loads it; the per-matrix state right after, then ``after`` steps."""
     mcore_cpu.init_parallel_state()
     layout = ccm.LAYOUTS[layout_name]
@@ -60,7 +63,7 @@ def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, l
     out = {}
     with ccm._installed(layout):
         for fmt in formats:
-            chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer="soap")
+            chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer=optimizer, **(extra or {}))
             ccm.load(path, fmt, chunks, ddps, opt, sched)
             loaded = homed_state(opt)
             losses = ccm.train(layout_name, ddps, opt, sched, ccm.plan(before + after)[before:])
@@ -69,13 +72,33 @@ def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, l
 
 
 
-def load_refused(path: str, fmt: str, layout_name: str) -> str:
+def load_and_save(path: str, resave_path: str, steps: int, formats: tuple, layout_name: str, optimizer: str = "soap",
+                  extra: Optional[dict] = None) -> dict:
+    """Per format: a fresh run in ``layout_name`` (other weights) loads ``path``; its per-matrix state right after,
+    then it saves in that format to ``resave_path`` and trains ``steps`` steps: the losses (another layout's
+    reshard: the state is what is compared; the run must go on)."""
+    mcore_cpu.init_parallel_state()
+    layout = ccm.LAYOUTS[layout_name]
+    whole = ccm.ccmp._whole_init(1, layout)
+    out = {}
+    with ccm._installed(layout):
+        for fmt in formats:
+            chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer=optimizer, **(extra or {}))
+            ccm.load(path, fmt, chunks, ddps, opt, sched)
+            loaded = homed_state(opt)
+            ccm.save(resave_path, fmt, chunks, ddps, opt, sched, 2)
+            losses = ccm.train(layout_name, ddps, opt, sched, ccm.plan(2 + steps)[2:])
+            out[fmt] = {"loaded": loaded, "losses": losses}
+    return out
+
+
+def load_refused(path: str, fmt: str, layout_name: str, optimizer: str = "soap", extra: Optional[dict] = None) -> str:
     """The message of a load refused (every rank), or 'loaded'."""
     try:
-        run_load(path, 0, 0, (fmt,), layout_name)
+        run_load(path, 0, 0, (fmt,), layout_name, optimizer, extra)
     except Exception as exc:  # noqa: BLE001  (the message is what the test reads)
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
 
 
-__all__ = ["run_save", "run_load", "load_refused", "homed_state", "torch"]
+__all__ = ["run_save", "run_load", "load_and_save", "load_refused", "homed_state", "torch"]

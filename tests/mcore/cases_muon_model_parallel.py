@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tests.mcore import cases_model_parallel as cmp
 from tests.mcore import mcore_cpu
 from tests.mcore.mcore_cpu import cpu_megatron_core, token_losses
+from tests.support import reference_adaptive_muon as ram
 from tests.support import reference_muon as rm
 from tests.support.common import whole_from_parts
 
@@ -80,12 +81,15 @@ def _train_reference(layout: cmp.Layout, steps: list, dp: int, global_batch: int
     model = mcore_cpu.build_gpt(transformer_config(layout, whole=True), tied=True)
     init = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     ref = mcore_cpu.clone_gpt(model).to(torch.float64)
-    opt = rm.reference_muon(ref, LR, WD, tp_size=layout.tp, split_shapes=SPLIT, momentum=MOMENTUM,
-                            nesterov=options["nesterov"], tp_mode=options["tp_mode"], adam_betas=(0.9, 0.999),
-                            adam_eps=1e-8)
+    common = dict(tp_size=layout.tp, split_shapes=SPLIT, momentum=MOMENTUM, nesterov=options["nesterov"],
+                  tp_mode=options["tp_mode"], adam_betas=(0.9, 0.999), adam_eps=1e-8)
+    if options["optimizer"] == "adaptive_muon":
+        opt = ram.reference_adaptive_muon(ref, LR, WD, moment2_method=options["moment2_method"], **common)
+    else:
+        opt = rm.reference_muon(ref, LR, WD, **common)
     sched = CoreScheduler(opt, **schedule(global_batch))
     named = dict(ref.named_parameters())
-    out = {"init": init, "params": [], "momentum": [], "norms": []}
+    out = {"init": init, "params": [], "momentum": [], "norms": [], "moment2_blocks": []}
     for k, batches in enumerate(steps):
         if k == options["nonfinite_at"]:  # the skipped step: nothing changes, the scheduler does not advance
             for key in ("params", "momentum"):
@@ -102,6 +106,8 @@ def _train_reference(layout: cmp.Layout, steps: list, dp: int, global_batch: int
         out["params"].append({n: p.detach().clone() for n, p in named.items()})
         out["momentum"].append({n: opt.state[p]["momentum_buffer"].clone() for n, p in named.items()
                                 if "momentum_buffer" in opt.state[p]})
+        out["moment2_blocks"].append({n: [v.clone() for v in opt.state[p]["moment2_blocks"]]
+                                      for n, p in named.items() if "moment2_blocks" in opt.state[p]})
     return out
 
 
@@ -118,10 +124,12 @@ def _setup(chunks: list, config, global_batch: int, options: dict):
     ddps = [core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
                                                      disable_bucketing=index > 0)
             for index, chunk in enumerate(chunks)]
-    muon = dict(optimizer="muon", lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9,
+    muon = dict(optimizer=options["optimizer"], lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9,
                 adam_beta2=0.999, adam_eps=1e-8, use_distributed_optimizer=True, muon_momentum=MOMENTUM,
                 muon_tp_mode=options["tp_mode"], muon_fp32_matmul_prec=options["matmul_prec"],
                 muon_split_qkv=True, muon_num_ns_steps=5, muon_scale_mode="spectral")
+    if options["optimizer"] == "adaptive_muon":
+        muon["adaptive_muon_moment2_method"] = options["moment2_method"]
     if options["verify"]:  # verify mode is megatron_opt's own OptimizerConfig field
         opt_config = mo.OptimizerConfig(**muon, muon_nesterov=options["nesterov"], verify_interval=1)
     else:  # megatron-core 0.16.1 names it muon_use_nesterov
@@ -180,7 +188,8 @@ def _counted(chunks: list, whole: dict) -> list:
 def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overlap: bool = True,
              nesterov: bool = False, matmul_prec: str = "highest", verify: bool = False, ga: int = 2, mb: int = 2,
              bucket_size: int = 4000, nonfinite_at: Optional[int] = None,
-             inspect: Optional[Callable[[dict], dict]] = None) -> dict:
+             inspect: Optional[Callable[[dict], dict]] = None, optimizer: str = "muon",
+             moment2_method: str = "adamuon") -> dict:
     """Train ``steps`` steps of megatron_opt's Muon in the named layout (LAYOUTS, 4 ranks) and the float64
     reference on the same global batches; this rank's per-step figures (the same on every rank) and
     replica checks. ``tp_mode``: muon_tp_mode (also the reference's); ``overlap``: overlap_grad_reduce and
@@ -189,9 +198,11 @@ def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overl
     reduced gradients, so every rank must skip it (the reference skips it too); ``inspect``: a module-level
     function (it travels to the workers by name) called after the last step, inside the layout's
     parallel state, with {"layout", "chunks", "ddps", "optimizer", "reference", "step_batches"}; the dict it
-    returns is merged into the figures (e.g. a checkpoint round trip, megatron-core's own Muon)."""
+    returns is merged into the figures (e.g. a checkpoint round trip, megatron-core's own Muon);
+    ``optimizer`` 'adaptive_muon' with ``moment2_method``: AdaptiveMuon instead, against its reference."""
     options = dict(tp_mode=tp_mode, overlap=overlap, nesterov=nesterov, matmul_prec=matmul_prec, verify=verify,
-                   bucket_size=bucket_size, nonfinite_at=nonfinite_at)
+                   bucket_size=bucket_size, nonfinite_at=nonfinite_at, optimizer=optimizer,
+                   moment2_method=moment2_method)
     layout = LAYOUTS[layout_name]
     if layout.glu and tp_mode == "blockwise":
         raise ValueError("run_muon: the reference has no blockwise mode for a strided (SwiGLU) param")
@@ -251,6 +262,8 @@ def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overl
                                                  for ref, p in counted if ref in ref_momentum))
             out.update(cmp.replica_checks(layout, chunks, init))
             out["muon_params"] = sorted({ref for ref, p in counted if ref in reference["momentum"][0]})
+            if moment2_method == "normuon" and optimizer == "adaptive_muon":
+                out.update(_homed_moment2_error(chunks, ddps, opt, init, reference["moment2_blocks"][-1]))
             out["optimizer_module"] = type(opt).__module__
             if verify:
                 out["verified"] = opt.verify_report.verified_steps
@@ -260,6 +273,24 @@ def run_muon(layout_name: str, steps: int = 3, tp_mode: str = "blockwise", overl
         finally:
             megatron_opt.megatron.uninstall()
     return out
+
+
+def _homed_moment2_error(chunks: list, ddps: list, opt, init: dict, blocks: dict) -> dict:
+    """NorMuon's per-matrix second moment at this rank's homes against the reference's, block by block (a TP-split
+    matrix's block is this rank's TP block): the worst relative error and the homed (reference name, TP rank)."""
+    ref_of = {id(p): ref for chunk in chunks for ref, p, _ in cmp.chunk_params(chunk, init)}
+    by_key = {(name if len(ddps) == 1 else f"chunk{c}.{name}"): p
+              for c, ddp in enumerate(ddps) for name, p in ddp.module.named_parameters()}
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    worst, homed = 0.0, []
+    for key, v in opt.state_dict().get("matrix_state", {}).get("moment2_buffer", {}).items():
+        p = by_key[key]
+        ref_blocks = blocks[ref_of[id(p)]]
+        theirs = ref_blocks[tp_rank] if len(ref_blocks) > 1 else ref_blocks[0]
+        assert tuple(v.shape) == tuple(theirs.shape), (key, v.shape, theirs.shape)
+        worst = max(worst, float((v.double() - theirs).norm() / theirs.norm()))
+        homed.append((ref_of[id(p)], tp_rank))
+    return {"moment2_error": worst, "moment2_homed": homed}
 
 
 __all__ = ["LAYOUTS", "run_muon", "SPLIT"]

@@ -4,7 +4,10 @@ megatron-core's GPTModel through install() (tests/mcore/cases_checkpoint_soap.py
 
 * saved at DP2, loaded at DP2: the per-matrix state bitwise, and the continuation bit-exact (losses, params);
 * loaded at DP3 (other homes): every per-matrix state tensor bitwise the saved one, each homed once;
-* at TP2 x DP2 (each TP block's own state, placed at its block's coordinates): a resume bit-exact.
+* at TP2 x DP2 (each TP block's own state, placed at its block's coordinates): a resume bit-exact;
+* TP2 -> TP1 -> TP2: a TP1 run with matrix_state_tp_size 2 (it keeps the TP2 blocks' state: SOAP runs on each) loads
+  the TP2 checkpoint bitwise (torch_dist and megatron_opt.checkpoint), trains on, and its own torch_dist checkpoint
+  loads back at TP2 bitwise.
 """
 from __future__ import annotations
 
@@ -72,3 +75,36 @@ def test_tp2_resume_is_bit_exact(pools, tmp_path):
     assert len(messages) == 1, messages
     message = messages.pop()
     assert "CheckpointError" in message and "per-matrix state" in message and "--no-load-optim" in message, message
+    assert "matrix_state_tp_size" in message, message
+
+
+KEEP_TP2_BLOCKS = {"rule_constants": {"matrix_state_tp_size": 2}}
+
+
+def as_tp2_blocks(loaded_at_tp1: dict) -> dict:
+    """A TP1 run's per-matrix state keyed as TP2's: a TP-split matrix's block at offset 0 is TP rank 0's, the other
+    TP rank 1's; a matrix whole at TP2 (replicated) is each TP rank's."""
+    out = {}
+    for (state, key, _), t in loaded_at_tp1.items():
+        if "@" in key:
+            name, offset = key.split("@")
+            out[(state, name, int(any(int(o) for o in offset.split(","))))] = t
+        else:
+            out[(state, key, 0)] = out[(state, key, 1)] = t
+    return out
+
+
+def test_tp2_to_tp1_and_back_keeps_the_blocks_bitwise(pools, tmp_path):
+    path, resaved = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    formats = ("fully_reshardable", "megatron_opt")
+    saved = pools(4).run(ccs.run_save, path, BEFORE, 0, "tp2", timeout=TIMEOUT)[0]["saved"]
+    at_tp1 = pools(4).run(ccs.load_and_save, path, resaved, 2, formats, "dp", "soap", KEEP_TP2_BLOCKS,
+                          timeout=TIMEOUT)[0]
+    for fmt, res in at_tp1.items():
+        assert all("@" in key for _, key, _ in res["loaded"] if "linear_fc1" in key), sorted(res["loaded"])[:4]
+        _same(saved, as_tp2_blocks(res["loaded"]), f"TP2 -> TP1 {fmt}: the loaded per-matrix state")
+        assert all(loss is not None and torch.isfinite(torch.tensor(loss)) for loss in res["losses"]), res["losses"]
+    # (megatron_opt.checkpoint names a data-parallel-only save's params locally, so only torch_dist goes TP1 -> TP2)
+    back = pools(4).run(ccs.run_load, resaved, BEFORE, 0, ("fully_reshardable",), "tp2", timeout=TIMEOUT)[0]
+    for fmt, res in back.items():
+        _same(saved, res["loaded"], f"TP2 -> TP1 -> TP2 {fmt}: the loaded per-matrix state")

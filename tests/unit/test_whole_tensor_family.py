@@ -30,11 +30,41 @@ def test_adaptive_muon_is_a_whole_tensor_rule_with_elementwise_state():
     assert (rule.beta2, rule.eps) == (0.95, 1e-8)
 
 
-@pytest.mark.parametrize("method", ["normuon", "namo"])
-def test_adaptive_muon_other_moment2_methods_are_refused_by_name(method):
-    config = mo.OptimizerConfig(lr=1e-3, optimizer="adaptive_muon", adaptive_muon_moment2_method=method)
-    with pytest.raises(mo.UnsupportedConfigError, match=f"adaptive_muon_moment2_method='{method}'.*'adamuon'"):
+def test_adaptive_muon_other_moment2_methods_are_refused_by_name():
+    config = mo.OptimizerConfig(lr=1e-3, optimizer="adaptive_muon", adaptive_muon_moment2_method="namo")
+    with pytest.raises(mo.UnsupportedConfigError, match="adaptive_muon_moment2_method='namo'.*'adamuon' and 'normuon'"):
         update_rule_from_config(config)
+
+
+def test_normuon_keeps_its_second_moment_per_matrix_after_the_update():
+    rule = update_rule_from_config(mo.OptimizerConfig(lr=1e-3, optimizer="adaptive_muon",
+                                                      adaptive_muon_moment2_method="normuon"))
+    assert rule.state_dtypes().keys() == {"momentum_buffer"}
+    assert (rule.direction_state, rule.finish_state) == (("momentum_buffer",), ())
+    assert {n: s for n, (s, _) in rule.matrix_state((6, 4)).items()} == {"moment2_buffer": (6, 1)}
+    assert {n: s for n, (s, _) in rule.matrix_state((4, 6)).items()} == {"moment2_buffer": (1, 6)}
+    assert rule.state_follows_update
+    with pytest.raises(mo.UnsupportedConfigError, match="optimizer_cuda_graph=True.*'normuon'"):
+        update_rule_from_config(mo.OptimizerConfig(lr=1e-3, optimizer="adaptive_muon", optimizer_cuda_graph=True,
+                                                   adaptive_muon_moment2_method="normuon"))
+
+
+@pytest.mark.parametrize("shape", [(12, 8), (8, 12)])
+def test_normuon_update_with_state_is_emerging_optimizers_bitwise(shape):
+    """update_with_state on O against emerging-optimizers' own normalisation of the same O and V (fp32)."""
+    eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers.adaptive_muon")
+    rule = update_rule_from_config(mo.OptimizerConfig(lr=1e-3, optimizer="adaptive_muon",
+                                                      adaptive_muon_moment2_method="normuon", adaptive_muon_beta2=0.9))
+    theirs = eo.AdaptiveMuon([torch.nn.Parameter(torch.zeros(shape))], lr=1e-3, momentum=0.9, weight_decay=0.0,
+                             moment2_method="normuon", beta2=0.9, eps=1e-8)
+    g = torch.Generator().manual_seed(0)
+    state = rule.new_matrix_state(shape, torch.device("cpu"))
+    v_theirs = state["moment2_buffer"].clone()
+    for _ in range(3):
+        o = torch.randn(shape, generator=g) * 0.1
+        mine, state = rule.update_with_state(o, state)
+        expected = theirs._apply_moment2_normalization(o, v_theirs, 0.9, 1e-8)
+        assert torch.equal(mine, expected) and torch.equal(state["moment2_buffer"], v_theirs)
 
 
 def test_adaptive_muon_refuses_the_precision_aware_optimizer():
@@ -132,3 +162,25 @@ def test_megatron_cores_soap_moves_by_o1_for_a_one_ulp_gradient_change():
     a = first_update(grad.clone())
     b = first_update(torch.nextafter(grad, torch.full_like(grad, 1.0)))
     assert float((a - b).norm() / a.norm()) > 0.1
+
+
+def test_state_blocks_cut_a_tp_split_matrix_along_its_partition_dim_or_refuse_by_name():
+    from megatron_opt.optimizer.whole_tensor.state_blocks import StateBlocks, state_blocks_of
+
+    def param(shape, dim=None, stride=1):
+        p = torch.nn.Parameter(torch.zeros(shape))
+        if dim is not None:
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
+        return p
+
+    shard = object()  # no tensor_parallel_group: tensor-parallel size 1
+    assert state_blocks_of("w", (8, 6), param((8, 6), 0), shard, 0) == StateBlocks()
+    assert state_blocks_of("w", (8, 6), param((8, 6)), shard, 2) == StateBlocks()  # not TP-split: whole
+    blocks = state_blocks_of("w", (8, 6), param((8, 6), 1), shard, 2)
+    assert blocks == StateBlocks(1, 2) and blocks.blocks((8, 6)) == [((0, 0), (8, 3)), ((0, 3), (8, 3))]
+    m = torch.arange(48.0).reshape(8, 6)
+    assert torch.equal(blocks.join(blocks.split(m)), m)
+    with pytest.raises(mo.UnsupportedConfigError, match="matrix_state_tp_size=4: w of shape \\(6, 6\\) does not cut"):
+        state_blocks_of("w", (6, 6), param((6, 6), 0), shard, 4)
+    with pytest.raises(mo.UnsupportedConfigError, match="stride 2 \\(SwiGLU"):
+        state_blocks_of("w", (8, 6), param((8, 6), 0, stride=2), shard, 2)

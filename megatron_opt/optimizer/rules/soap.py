@@ -34,7 +34,7 @@ from ...errors import UnsupportedConfigError
 from .base import CONFIG_OWNER, constant
 from .muon import float32_matmul_precision, recompute_master
 from .soap_float64 import recompute_soap_step
-from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule
+from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule, state_tp_size_constant
 
 MATMUL_PRECISION = "high"  # emerging-optimizers' default for SOAP's GEMMs and QR (TF32 on CUDA, fp32 on the CPU)
 MATRIX_STATE = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
@@ -59,6 +59,7 @@ class SOAP(WholeTensorRule):
     # basis, per matrix); the factors and their bases stay fp32 (their eigenvectors need it).
     exp_avg_dtype: torch.dtype = torch.float32
     exp_avg_sq_dtype: torch.dtype = torch.float32
+    state_tp_size: int = state_tp_size_constant()
     name: ClassVar[str] = "soap"
     aliases: ClassVar[tuple[str, ...]] = ()
     precision_aware: ClassVar[bool] = True

@@ -10,13 +10,15 @@ A rule of the family declares:
   whole matrix across the TP group);
 * its state, of two kinds: elementwise state (``state_dtypes``, element-range sharded like AdamW's moments;
   ``direction_state`` names what part 1 updates, ``finish_state`` what part 3 updates) and per-matrix state
-  (``matrix_state``: lives once, at the matrix's home, and is read and replaced by ``matrix_step``: SOAP's);
+  (``matrix_state``: lives once, at the matrix's home, and is read and replaced by ``matrix_step``: SOAP's, read
+  with the direction; or, ``state_follows_update``, by ``update_with_state`` after part 2's update, so it also
+  runs where that update is computed across the TP group: AdaptiveMuon's NorMuon second moment);
 * its cost model for the home balance (``steady_cost`` every step, ``periodic_cost`` every ``period`` steps,
   such as a preconditioner refresh; ``home_cost`` combines them) and where homes may be (``homes_anywhere``);
 * its step in three parts: ``direction`` (elementwise, owned ranges), ``matrix_update`` (the whole matrix, at
   its home; ``matrix_step`` with per-matrix state), ``finish`` (elementwise, owned ranges: decay and the step);
 * its float64 recomputation for verify mode (``recompute_direction``, ``matrix_tolerance``, ``recompute_finish``;
-  with per-matrix state ``recompute_matrix_step``).
+  with per-matrix state ``recompute_matrix_step``, or ``recompute_update_with_state``).
 """
 from __future__ import annotations
 
@@ -29,10 +31,19 @@ import torch
 from ... import ops
 from ...errors import UnsupportedConfigError
 from ...ops.step_plan import StepPlan
-from .base import Needs, UpdateRule
+from .base import Needs, UpdateRule, constant
 
 Scalar = Union[float, torch.Tensor]  # a host float, or a 0-d device tensor (the staged lr / wd table)
 TensorDict = dict[str, torch.Tensor]
+
+
+def state_tp_size_constant() -> Any:
+    """The declaration of ``matrix_state_tp_size`` (megatron_opt's own name: ``rule_constants``, the main job's
+    ``--matrix-state-tp-size``), for the rules that keep per-matrix state (leaf.py, ``StateBlocks``)."""
+    return constant(0, "matrix_state_tp_size", low=0, integer=True,
+                    help="the tensor-parallel size whose blocks the per-matrix state (SOAP's, NorMuon's) belongs to: "
+                         "0 = this run's; the saved run's TP size keeps its blocks at another split (a TP2 "
+                         "checkpoint loads bitwise at TP1, whose SOAP then runs on those blocks)")
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,11 @@ class WholeTensorRule(UpdateRule):
     homes_anywhere: ClassVar[bool] = False
     direction_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 1 updates
     finish_state: ClassVar[tuple[str, ...]] = ()  # elementwise state part 3 updates
+    # Whether the per-matrix state is read only after part 2's update (``update_with_state``), on the TP-local block
+    # of that update, so that the update itself may be computed across the TP group (tensor_parallel_mode
+    # 'duplicated' / 'distributed'). False: ``matrix_step`` reads it with the direction (SOAP's factors), which
+    # only TP-local blocks may do.
+    state_follows_update: ClassVar[bool] = False
 
     # ----------------------------------------------------------------- what it needs
     @staticmethod
@@ -80,6 +96,12 @@ class WholeTensorRule(UpdateRule):
     def matrix_state(self, shape: tuple[int, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Per-matrix state kept once at the matrix's home, by name: (shape, dtype). None by default."""
         return {}
+
+    @property
+    def matrix_state_tp_size(self) -> int:
+        """The tensor-parallel size whose blocks the per-matrix state belongs to (0: the run's own). A rule that
+        keeps per-matrix state declares ``state_tp_size`` (``state_tp_size_constant``)."""
+        return int(getattr(self, "state_tp_size", 0))
 
     def new_matrix_state(self, shape: tuple[int, int], device: torch.device) -> TensorDict:
         """The per-matrix state before the first step (zeros by default)."""
@@ -113,8 +135,13 @@ class WholeTensorRule(UpdateRule):
     def matrix_step(self, u: torch.Tensor, qkv_split: Optional[Sequence[int]], state: TensorDict,
                     step: int) -> tuple[torch.Tensor, TensorDict]:
         """Part 2 with the matrix's per-matrix ``state`` (read, never written) and this update's 1-based ``step``:
-        (the update, the new state). A rule without per-matrix state runs ``matrix_update``."""
-        return self.matrix_update(u, qkv_split), state
+        (the update, the new state). By default ``matrix_update``, then ``update_with_state``."""
+        return self.update_with_state(self.matrix_update(u, qkv_split), state)
+
+    def update_with_state(self, update: torch.Tensor, state: TensorDict) -> tuple[torch.Tensor, TensorDict]:
+        """Part 2's per-matrix state applied to the (TP-local) block of part 2's update, at its home: (the new
+        update, the new state; ``state`` read, never written). The update as it is by default."""
+        return update, state
 
     @abc.abstractmethod
     def finish(self, master: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: Scalar, weight_decay: Scalar,
@@ -144,6 +171,14 @@ class WholeTensorRule(UpdateRule):
         raise UnsupportedConfigError(f"{type(self).__name__} keeps per-matrix state but has no float64 "
                                      f"recomputation of it (recompute_matrix_step).")
 
+    def recompute_update_with_state(self, update: torch.Tensor, tolerance: float, before: TensorDict,
+                                    after: TensorDict
+                                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, tuple[torch.Tensor, ...]]]:
+        """``update_with_state`` in float64 (a ``state_follows_update`` rule), at the home: from part 2's float64
+        ``update`` (each element within ``tolerance`` of the fp32 one), the state ``before`` the step and as stored
+        ``after`` it, (the update, its elementwise bound, per check name (stored, recomputed, bound))."""
+        return update, torch.full_like(update, tolerance), {}
+
     @abc.abstractmethod
     def recompute_finish(self, w0: torch.Tensor, update: torch.Tensor, state: TensorDict, lr: float,
                          weight_decay: float, update_tolerance: float, matrix: MatrixFacts
@@ -151,4 +186,4 @@ class WholeTensorRule(UpdateRule):
         """Part 3 in float64: ({"master": W, finish_state...}, their bounds)."""
 
 
-__all__ = ["WholeTensorRule", "MatrixFacts", "Scalar", "TensorDict"]
+__all__ = ["WholeTensorRule", "MatrixFacts", "Scalar", "TensorDict", "state_tp_size_constant"]

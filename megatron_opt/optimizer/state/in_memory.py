@@ -45,17 +45,17 @@ def build(view: OptimizerStateView) -> dict[str, Any]:
     if homed:
         out["matrix_state"] = {}
         for m in homed:
-            out["matrix_state"].setdefault(m.state, {})[m.key] = m.tensor.detach().cpu().clone()
+            out["matrix_state"].setdefault(m.state, {})[m.block_key] = m.tensor.detach().cpu().clone()
     return out
 
 
 def _saved_matrix_state(state_dict: dict, m: Any) -> torch.Tensor:
     """The saved per-matrix state ``m`` (a MatrixStateTensor); ValueError when the state_dict lacks it."""
-    saved = state_dict.get("matrix_state", {}).get(m.state, {}).get(m.key)
+    saved = state_dict.get("matrix_state", {}).get(m.state, {}).get(m.block_key)
     if saved is None or tuple(saved.shape) != tuple(m.tensor.shape):
         held = "nothing" if saved is None else f"a {tuple(saved.shape)} tensor"
         raise ValueError(
-            f"the state_dict holds {held} for the per-matrix state '{m.state}' of {m.key}, which this rank keeps "
+            f"the state_dict holds {held} for the per-matrix state '{m.state}' of {m.block_key}, which this rank keeps "
             f"({tuple(m.tensor.shape)}): a state_dict holds the matrices its rank was home to, and loads only at the "
             f"data-parallel size and rank that saved it. Save and load with megatron_opt.checkpoint, which reshards.")
     return saved
@@ -92,7 +92,7 @@ def check(view: OptimizerStateView, state_dict: Any) -> None:
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer has "
                          f"{len(my_groups)}. {_FIX}")
     parts = [(f"'{s.state}' of {s.key}", _saved_part(state_dict, s)) for s in owned_slices(view)]
-    parts += [(f"'{m.state}' of {m.key}", _saved_matrix_state(state_dict, m)) for m in homed_matrix_state(view)]
+    parts += [(f"'{m.state}' of {m.block_key}", _saved_matrix_state(state_dict, m)) for m in homed_matrix_state(view)]
     bad = first_nonfinite(parts)
     if bad is not None:
         raise ValueError(f"state_dict {bad} holds non-finite values; refusing to load it (the next step would write "

@@ -176,10 +176,14 @@ def matrix_state_entries(view: OptimizerStateView, params: dict[int, Any], insta
         block = _block_of(base)
         grid = []
         for axis, (offset, size) in enumerate(zip(block.global_offset, block.global_shape)):
-            local = 1 if axis < block.prepend_axis_num else block.local_shape[axis - block.prepend_axis_num]
+            if axis < block.prepend_axis_num:
+                local = 1
+            else:  # the state's block of the TP-local param (the whole of it unless matrix_state_tp_size cuts it)
+                local = m.shape[axis - block.prepend_axis_num]
+                offset += m.offset[axis - block.prepend_axis_num]
             grid.append((axis, offset // local, max(1, size // local)))
         data = torch.empty_like(m.tensor) if is_loading else m.tensor.detach()
-        out[f"{m.state}|{m.key}"] = ShardedTensor.from_rank_offsets(
+        out[f"{m.state}|{m.block_key}"] = ShardedTensor.from_rank_offsets(
             f"optimizer.matrix_state.{m.state}.{block.key}", data, *grid,
             replica_id=optimizer_replica_id(block.replica_id, instance), prepend_axis_num=len(grid))
     return out
@@ -189,7 +193,7 @@ def read_matrix_state(view: OptimizerStateView, loaded: Any) -> list[tuple[Matri
     """The loaded per-matrix state of every matrix homed on this rank; ValueError when the state dict lacks some."""
     out = []
     for m in homed_matrix_state(view):
-        value = (loaded or {}).get(f"{m.state}|{m.key}")
+        value = (loaded or {}).get(f"{m.state}|{m.block_key}")
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(m.tensor.shape):
             raise ValueError(f"the optimizer state dict holds no per-matrix state '{m.state}' of {m.key} (this "
                              f"optimizer's {type(view).__name__} keeps it: a whole-tensor rule's state, e.g. SOAP's); "

@@ -75,8 +75,8 @@ class LeafView:
     # into two leaves (ShardStore's ``selects``).
     keeps: Optional[Callable[[torch.nn.Parameter], bool]] = None
     # Per-matrix state of the matrices homed on this rank (a whole-tensor rule's, e.g. SOAP's): (chunk, param
-    # name, param, state name, live tensor).
-    matrix_state: tuple[tuple[int, str, torch.nn.Parameter, str, torch.Tensor], ...] = ()
+    # name, param, state name, live tensor, (offset, shape) of its block of the TP-local param).
+    matrix_state: tuple[tuple[int, str, torch.nn.Parameter, str, torch.Tensor, tuple], ...] = ()
 
     @property
     def state_names(self) -> tuple[str, ...]:
@@ -92,8 +92,8 @@ def leaf_view(leaf: StateLeaf, model_chunks: Sequence[GradSource], model_paralle
         raise ValueError("an optimizer leaf keeps a model chunk that is not among the optimizer's model_chunks")
 
     pieces = tuple(OwnedPiece(index_of(ps.source), ps) for ps in leaf.piece_states())
-    matrix_state = tuple((index_of(src), name, param, state, tensor)
-                         for src, name, param, state, tensor in getattr(leaf, "matrix_state_tensors", list)())
+    matrix_state = tuple((index_of(src), name, param, state, tensor, block)
+                         for src, name, param, state, tensor, block in getattr(leaf, "matrix_state_tensors", list)())
     return LeafView(leaf.rule, leaf.is_expert_parallel, model_parallel, tuple(index_of(s) for s in leaf.sources),
                     pieces, leaf.param_groups, leaf.step, getattr(leaf, "selects", None), matrix_state)
 
@@ -232,12 +232,30 @@ def owned_slices(view: OptimizerStateView) -> list[StateSlice]:
 
 @dataclass(frozen=True)
 class MatrixStateTensor:
-    """State ``state`` of the whole (TP-local) matrix ``key``, kept on this rank, its home: written in place."""
+    """State ``state`` of one block of the (TP-local) matrix ``key`` (the whole matrix unless ``matrix_state_tp_size``
+    cuts it: whole_tensor/state_blocks.py), kept on this rank, its home: written in place."""
 
     state: str
     key: str
     param: torch.nn.Parameter
     tensor: torch.Tensor
+    block_offset: tuple[int, ...] = ()  # in the TP-local param (): at its origin
+    block_shape: tuple[int, ...] = ()  # (): the whole TP-local param
+
+    @property
+    def offset(self) -> tuple[int, ...]:
+        return tuple(self.block_offset) or (0,) * self.param.dim()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.block_shape) or tuple(self.param.shape)
+
+    @property
+    def block_key(self) -> str:
+        """``key``, with the block's offset where the block is not the whole param (the state_dict's key)."""
+        if self.shape == tuple(self.param.shape):
+            return self.key
+        return f"{self.key}@{','.join(str(o) for o in self.offset)}"
 
     def write(self, values: torch.Tensor) -> None:
         self.tensor.copy_(values)
@@ -245,17 +263,19 @@ class MatrixStateTensor:
 
 # Why a checkpoint of another tensor-parallel split cannot give a rank its per-matrix state (both checkpoint
 # formats' refusals say it).
-MATRIX_STATE_SPLIT = ("the per-matrix state of a whole-tensor rule (SOAP's) belongs to each tensor-parallel block, so "
-                      "it loads at the tensor-parallel split that saved it (any data-parallel size), with the same "
-                      "optimizer")
+MATRIX_STATE_SPLIT = ("the per-matrix state of a whole-tensor rule (SOAP's, NorMuon's) belongs to the blocks of the "
+                      "tensor-parallel split that saved it, so it loads at that split (any data-parallel size) with "
+                      "the same optimizer; at another split set matrix_state_tp_size to the saved run's "
+                      "tensor-parallel size (OptimizerConfig.rule_constants, the main job's --matrix-state-tp-size), "
+                      "which keeps those blocks")
 
 
 def homed_matrix_state(view: OptimizerStateView) -> list[MatrixStateTensor]:
     """Every per-matrix state tensor of the matrices homed on this rank, keyed in model space (none for
     rules whose state is elementwise)."""
     num_chunks = len(view.model_chunks)
-    return [MatrixStateTensor(state, param_key(chunk, name, num_chunks), param, tensor)
-            for leaf in view.state_leaves() for chunk, name, param, state, tensor in leaf.matrix_state]
+    return [MatrixStateTensor(state, param_key(chunk, name, num_chunks), param, tensor, *block)
+            for leaf in view.state_leaves() for chunk, name, param, state, tensor, block in leaf.matrix_state]
 
 
 # isfinite() makes about 7 bytes of temporaries per element (abs, ==, !=, *): check in small slices,

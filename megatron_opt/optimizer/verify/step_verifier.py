@@ -323,15 +323,17 @@ def matrix_state_findings(checks: Sequence[tuple[str, str, torch.Tensor, torch.T
 
 
 def matrix_unchanged_findings(now: dict, before: dict, rank: int) -> list[Finding]:
-    """A skipped step: every per-matrix state tensor bitwise what it was."""
+    """A skipped step: every per-matrix state tensor (of every block: leaf.matrix_state_snapshot()) bitwise what it
+    was."""
     findings = []
-    for key, state in now.items():
-        for name, t in state.items():
-            changed = (_words(t) != _words(before[key][name])).reshape(-1)
-            if bool(changed.any()):
-                findings.append(Finding("update", str(key), rank, float("nan"), float("nan"),
-                                        f"a skipped step changed {int(changed.sum())} elements of its per-matrix "
-                                        f"{name}"))
+    for key, blocks in now.items():
+        for block, state in enumerate(blocks):
+            for name, t in state.items():
+                changed = (_words(t) != _words(before[key][block][name])).reshape(-1)
+                if bool(changed.any()):
+                    findings.append(Finding("update", str(key), rank, float("nan"), float("nan"),
+                                            f"a skipped step changed {int(changed.sum())} elements of its per-matrix "
+                                            f"{name} (block {block})"))
     return findings
 
 

@@ -22,6 +22,7 @@ from ..leaf import OptimizerLeaf
 from ..verify.float64_update import Float64Update
 from ..rules.whole_tensor_rule import MatrixFacts, TensorDict, WholeTensorRule
 from ..state.shard_store import ShardStore
+from .state_blocks import Block, StateBlocks, state_blocks_of
 from .tensor_parallel_newton_schulz import orthogonalize_split, tensor_split_of
 from .matrix_exchange import Matrix, MatrixExchange, MatrixKey, piece_key
 
@@ -51,14 +52,21 @@ class WholeTensorLeaf(OptimizerLeaf):
                                        tensor_split_of=lambda p, shard: tensor_split_of(
                                            p, shard.tensor_parallel_group, rule.tensor_parallel_mode),
                                        homes_anywhere=rule.homes_anywhere)
-        # Per-matrix state (SOAP's): once, at each matrix's home, replaced whole after each exchange succeeded.
+        # Per-matrix state (SOAP's): once, at each matrix's home, replaced whole after each exchange succeeded; one
+        # state per block of the tensor-parallel split it belongs to (StateBlocks: the matrix whole by default).
         self.has_matrix_state = any(rule.matrix_state(m.shape) for m in self.exchange.matrices)
-        if self.has_matrix_state and any(m.tensor_split is not None for m in self.exchange.matrices):
-            raise UnsupportedConfigError(f"{type(rule).__name__} keeps per-matrix state, which is kept for TP-local "
-                                         f"blocks only (tensor_parallel_mode 'blockwise').")
-        self.matrix_states: dict[MatrixKey, TensorDict] = {
-            m.key: rule.new_matrix_state(m.shape, store.device) for m in self.exchange.homed}
-        self._new_matrix_states: dict[MatrixKey, TensorDict] = {}
+        if (self.has_matrix_state and not rule.state_follows_update
+                and any(m.tensor_split is not None for m in self.exchange.matrices)):
+            raise UnsupportedConfigError(f"{type(rule).__name__} reads its per-matrix state with the direction, which "
+                                         f"is kept for TP-local blocks only (tensor_parallel_mode 'blockwise').")
+        params = {piece_key(chunk_of[id(src)], s, i): (s.params[i], s) for src, s in store.published for i in s.params}
+        self.state_blocks: dict[MatrixKey, StateBlocks] = {
+            m.key: (state_blocks_of(m.name, m.shape, *params[m.key], rule.matrix_state_tp_size)
+                    if self.has_matrix_state else StateBlocks()) for m in self.exchange.matrices}
+        self.matrix_states: dict[MatrixKey, list[TensorDict]] = {
+            m.key: [rule.new_matrix_state(shape, store.device) for shape in self.state_blocks[m.key].shapes(m.shape)]
+            for m in self.exchange.homed}
+        self._new_matrix_states: dict[MatrixKey, list[TensorDict]] = {}
         self._matrix_checks: list[tuple[str, str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._multiplier_of = {id(m.unscale_factor): m for m in self.multipliers}
         self._directions: Optional[dict[MatrixKey, torch.Tensor]] = None
@@ -96,10 +104,11 @@ class WholeTensorLeaf(OptimizerLeaf):
         self._new_matrix_states = {}
         updates = self.exchange.run(directions, self._matrix_updates, device)
         for key, new in self._new_matrix_states.items():  # the exchange succeeded on every rank's side
-            for name, value in new.items():
-                # Into the kept tensor, contiguous as it was made: a step's GEMMs round by the operands' layout,
-                # so a run resumed from a checkpoint (loaded into these tensors) stays bitwise the straight run.
-                self.matrix_states[key][name].copy_(value)
+            for kept, block in zip(self.matrix_states[key], new):
+                for name, value in block.items():
+                    # Into the kept tensor, contiguous as it was made: a step's GEMMs round by the operands' layout,
+                    # so a run resumed from a checkpoint (loaded into these tensors) stays bitwise the straight run.
+                    kept[name].copy_(value)
         self._new_matrix_states = {}
         facts = self._facts()
         found_inf, self._found_inf = self._found_inf, None
@@ -122,13 +131,15 @@ class WholeTensorLeaf(OptimizerLeaf):
                 if s.param_out is not None:
                     s.param_out[a:b].copy_(s.master[a:b])
 
-    def matrix_state_snapshot(self) -> dict[MatrixKey, TensorDict]:
-        """A copy of the per-matrix state of the matrices homed here (verify mode takes it before a step)."""
-        return {key: {name: t.clone() for name, t in state.items()} for key, state in self.matrix_states.items()}
+    def matrix_state_snapshot(self) -> dict[MatrixKey, list[TensorDict]]:
+        """A copy of the per-matrix state of the matrices homed here, per block (verify mode takes it before a
+        step)."""
+        return {key: [{name: t.clone() for name, t in block.items()} for block in blocks]
+                for key, blocks in self.matrix_states.items()}
 
     def float64_expectation(self, masters: Sequence[torch.Tensor], states: Sequence[TensorDict],
                             multipliers: Sequence[torch.Tensor],
-                            matrix_states_before: Optional[dict[MatrixKey, TensorDict]] = None
+                            matrix_states_before: Optional[dict[MatrixKey, list[TensorDict]]] = None
                             ) -> list[Float64Update]:
         """Verify mode (a collective, like the step): this step recomputed in float64 from each owned
         shard's pre-step ``masters`` and ``states`` (its state tensors by name) and float64 gradient
@@ -157,22 +168,35 @@ class WholeTensorLeaf(OptimizerLeaf):
             bounds_at_home: dict[MatrixKey, torch.Tensor] = {}
             self._matrix_checks = []
             step = int(self.step)
+            facts = self._facts()
 
             def recompute(items):
+                # A state_follows_update rule: part 2's update in float64 (across TP where the rule computes it
+                # so), then its state; else the rule's whole stateful part 2 from the direction.
+                updates = self._stateless_updates(items) if rule.state_follows_update else None
                 out = []
-                for u, m in items:
-                    update, bound, checks = rule.recompute_matrix_step(u, matrix_states_before[m.key],
-                                                                       self.matrix_states[m.key], step)
-                    bounds_at_home[m.key] = bound
-                    self._matrix_checks += [(m.name, name, *check) for name, check in checks.items()]
-                    out.append(update)
+                for i, (u, m) in enumerate(items):
+                    blocks = self.state_blocks[m.key]
+                    states = zip(matrix_states_before[m.key], self.matrix_states[m.key])
+                    if updates is not None:
+                        tolerance = rule.matrix_tolerance(facts[m.key], device)
+                        results = [rule.recompute_update_with_state(o, tolerance, before, after)
+                                   for o, (before, after) in zip(blocks.split(updates[i]), states)]
+                    else:
+                        results = [rule.recompute_matrix_step(ub, before, after, step)
+                                   for ub, (before, after) in zip(blocks.split(u), states)]
+                    bounds_at_home[m.key] = blocks.join([bound for _, bound, _ in results])
+                    for b, (_, _, checks) in enumerate(results):
+                        self._matrix_checks += [(m.name, blocks.label(name, b), *check)
+                                                for name, check in checks.items()]
+                    out.append(blocks.join([update for update, _, _ in results]))
                 return out
 
             updates = self.exchange.run(directions, recompute, device, dtype=torch.float64)
             tolerances = self.exchange.run(directions, lambda items: [bounds_at_home[m.key] for _, m in items],
                                            device, dtype=torch.float64)
         else:
-            updates = self.exchange.run(directions, self._matrix_updates, device, dtype=torch.float64)
+            updates = self.exchange.run(directions, self._stateless_updates, device, dtype=torch.float64)
         facts = self._facts()
         out = []
         for (src, s), w0, st, (values, bounds) in zip(shards, masters, states, first_parts):
@@ -200,46 +224,72 @@ class WholeTensorLeaf(OptimizerLeaf):
         checks, self._matrix_checks = self._matrix_checks, []
         return checks
 
-    def matrix_state_tensors(self) -> list[tuple[GradSource, str, torch.nn.Parameter, str, torch.Tensor]]:
-        """(model chunk, param name, param, state name, live tensor) of every per-matrix state tensor of the
-        matrices homed on this rank (checkpoints read and write them in place)."""
+    def matrix_state_tensors(self) -> list[tuple[GradSource, str, torch.nn.Parameter, str, torch.Tensor, Block]]:
+        """(model chunk, param name, param, state name, live tensor, its block of the param: local offset and
+        shape) of every per-matrix state tensor of the matrices homed on this rank (checkpoints read and write
+        them in place)."""
         sources = self.store.sources
         params = {piece_key(self._chunk_of[id(src)], s, i): s.params[i]
                   for src, s in self.store.published for i in s.params}
-        return [(sources[m.key[0]], m.name, params[m.key], name, tensor)
-                for m in self.exchange.homed for name, tensor in self.matrix_states[m.key].items()]
+        out = []
+        for m in self.exchange.homed:
+            blocks = self.state_blocks[m.key]
+            for block, state in zip(blocks.blocks(m.shape), self.matrix_states[m.key]):
+                out += [(sources[m.key[0]], m.name, params[m.key], name, tensor, block)
+                        for name, tensor in state.items()]
+        return out
 
     def state_bytes(self) -> list[tuple[GradSource, str, str, int]]:
         """The elementwise state's bytes, plus the per-matrix state this rank keeps as the home of its matrices."""
         return super().state_bytes() + [(src, name, state, t.numel() * t.element_size())
-                                        for src, name, _, state, t in self.matrix_state_tensors()]
+                                        for src, name, _, state, t, _ in self.matrix_state_tensors()]
 
     def _facts(self) -> dict[MatrixKey, MatrixFacts]:
         return {m.key: MatrixFacts(m.shape, m.qkv_split, m.tensor_split.multiple() if m.tensor_split else (1, 1))
                 for m in self.exchange.matrices}
 
+    def _stateless_updates(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[torch.Tensor]:
+        """The rule's ``matrix_update`` of every homed matrix (in matrix order), without per-matrix state: alone on
+        its block, or across TP in the rule's tensor_parallel_mode, one batch per TP group (a collective: the
+        group's ranks home the same matrices). Verify mode's float64 part 2 of a rule without stateful part 2."""
+        out = self._tensor_parallel_updates(items)
+        return [self.rule.matrix_update(u, m.qkv_split) if o is None else o for (u, m), o in zip(items, out)]
+
     def _matrix_updates(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[torch.Tensor]:
-        """The rule's update of every homed matrix (in matrix order): alone on its block, or across TP in the
-        rule's tensor_parallel_mode, one batch per TP group (a collective: the group's ranks home the same
-        matrices)."""
+        """The step's part 2 of every homed matrix (in matrix order), with its per-matrix state: the rule's
+        ``matrix_step`` on its block, or across TP in the rule's tensor_parallel_mode then ``update_with_state``
+        on the TP-local block. The new state waits in ``_new_matrix_states`` until the exchange succeeded."""
+        rule: WholeTensorRule = self.rule
+        out = self._tensor_parallel_updates(items)
+        # This update's 1-based count, a host read only for rules that keep per-matrix state (they refuse the
+        # device-decided step); a rule without any runs matrix_update through matrix_step's default.
+        step = int(self.step) if self.has_matrix_state else 0
+        for i, (u, m) in enumerate(items):
+            states, blocks = self.matrix_states[m.key], self.state_blocks[m.key]
+            if out[i] is None and not rule.state_follows_update:  # the state read with the direction, per block
+                qkv_split = m.qkv_split if blocks.count == 1 else None
+                results = [rule.matrix_step(ub, qkv_split, state, step) for ub, state in zip(blocks.split(u), states)]
+            else:  # the update of the (TP-local) matrix, then the state per block
+                o = rule.matrix_update(u, m.qkv_split) if out[i] is None else out[i]
+                results = [rule.update_with_state(ob, state) for ob, state in zip(blocks.split(o), states)]
+            out[i] = blocks.join([update for update, _ in results])
+            self._new_matrix_states[m.key] = [state for _, state in results]
+        return out
+
+    def _tensor_parallel_updates(self, items: Sequence[tuple[torch.Tensor, Matrix]]) -> list[Optional[torch.Tensor]]:
+        """Part 2's update of every TP-split matrix (its TP-local block), one batch per TP group; None for the
+        others. The collectives come first: a local failure after them leaves no peer waiting."""
         rule: WholeTensorRule = self.rule
         out: list[Optional[torch.Tensor]] = [None] * len(items)
         batches: dict[int, list[int]] = {}
         for i, (u, m) in enumerate(items):
             if m.tensor_split is not None:
                 batches.setdefault(id(m.tensor_split.group), []).append(i)
-        for indices in batches.values():  # the collectives first: a local failure below leaves no peer waiting
+        for indices in batches.values():
             done = orthogonalize_split(rule, [(items[i][0], items[i][1].qkv_split, items[i][1].tensor_split)
                                               for i in indices])
             for i, o in zip(indices, done):
                 out[i] = o
-        # This update's 1-based count, a host read only for rules that keep per-matrix state (they refuse the
-        # device-decided step); a rule without any runs matrix_update through matrix_step's default.
-        step = int(self.step) if self.has_matrix_state else 0
-        for i, (u, m) in enumerate(items):
-            if m.tensor_split is None:
-                out[i], self._new_matrix_states[m.key] = rule.matrix_step(u, m.qkv_split, self.matrix_states[m.key],
-                                                                          step)
         return out
 
     def _owned_with_source(self):
