@@ -17,6 +17,7 @@ over the DP ranks), so a run at DP 2, 3 or 1 trains on the same samples.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -89,8 +90,10 @@ def build(layout_name: str, whole: dict, tp_mode: str = "blockwise", optimizer: 
                                use_distributed_optimizer=True, bucket_size=None)
     ddps = [core_distributed.DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk)
             for chunk in chunks]
-    # megatron_opt's own settings (rule_constants) need its OptimizerConfig, which install()'s factory takes too
-    config_type = mo.OptimizerConfig if "rule_constants" in extra else core_optimizer.OptimizerConfig
+    # megatron_opt's own settings (rule_constants), and fields an older megatron-core lacks (0.16.1: adaptive_muon_*),
+    # need its OptimizerConfig, which install()'s factory takes too
+    core_fields = {f.name for f in dataclasses.fields(core_optimizer.OptimizerConfig)}
+    config_type = core_optimizer.OptimizerConfig if set(extra) <= core_fields else mo.OptimizerConfig
     opt_config = config_type(
         optimizer=optimizer, lr=LR, min_lr=MIN_LR, weight_decay=WD, clip_grad=CLIP, adam_beta1=0.9, adam_beta2=0.999,
         adam_eps=1e-8, use_distributed_optimizer=True, muon_momentum=0.9, muon_tp_mode=tp_mode,

@@ -130,10 +130,12 @@ def _setup(chunks: list, config, global_batch: int, options: dict):
                 muon_split_qkv=True, muon_num_ns_steps=5, muon_scale_mode="spectral")
     if options["optimizer"] == "adaptive_muon":
         muon["adaptive_muon_moment2_method"] = options["moment2_method"]
-    if options["verify"]:  # verify mode is megatron_opt's own OptimizerConfig field
-        opt_config = mo.OptimizerConfig(**muon, muon_nesterov=options["nesterov"], verify_interval=1)
+    fields = {f.name for f in dataclasses.fields(core_optimizer.OptimizerConfig)}
+    if options["verify"] or not set(muon) <= fields:
+        # verify mode is megatron_opt's own OptimizerConfig field; megatron-core 0.16.1 has no adaptive_muon_* fields
+        opt_config = mo.OptimizerConfig(**muon, muon_nesterov=options["nesterov"],
+                                        verify_interval=int(options["verify"]))
     else:  # megatron-core 0.16.1 names it muon_use_nesterov
-        fields = {f.name for f in dataclasses.fields(core_optimizer.OptimizerConfig)}
         nesterov = "muon_nesterov" if "muon_nesterov" in fields else "muon_use_nesterov"
         opt_config = core_optimizer.OptimizerConfig(**muon, **{nesterov: options["nesterov"]})
     with cpu_megatron_core():
