@@ -14,13 +14,15 @@ from tests.support import reference_muon as rm
 
 def train(steps: int, nesterov: bool = False, clip: float = 0.5, weight_decay: float = 0.1, split_qkv: bool = True,
           scale_mode: str = "spectral", extra_scale: float = 1.0, eps: float = 1e-8, verify: bool = False,
-          matmul_prec: str = "highest", moment2_method: str = "adamuon") -> dict:
+          matmul_prec: str = "highest", moment2_method: str = "adamuon", instances: int = 1) -> dict:
     """Train MuonNet with optimizer='adaptive_muon' ``steps`` steps; per step the errors against the reference
-    (NorMuon's per-matrix second moment: at its home; ``homed``: the matrices homed on this rank)."""
+    (NorMuon's per-matrix second moment: at its home; ``homed``: the matrices homed on this rank). ``instances``:
+    partial sharding (num_distributed_optimizer_instances), each instance homing every matrix."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model, ref = model_and_reference()
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True,
+        num_distributed_optimizer_instances=instances))
     lr = 0.02
     cfg = mo.OptimizerConfig(optimizer="adaptive_muon", lr=lr, weight_decay=weight_decay, clip_grad=clip,
                              use_distributed_optimizer=True, muon_nesterov=nesterov, muon_split_qkv=split_qkv,

@@ -48,6 +48,14 @@ def test_adaptive_muon_nesterov_no_split_unit_rms_extra_scale_eps(pools):
                         extra_scale=2.0, eps=1e-3, timeout=TIMEOUT), 3)
 
 
+def test_normuon_with_partial_sharding(pools):
+    """DP 4 in two optimizer instances: each instance homes every matrix's second moment once."""
+    results = pools(4).run(cases_adaptive_muon.train, 3, moment2_method="normuon", instances=2, timeout=TIMEOUT)
+    _check(results, 3)
+    homed = sorted(n for res in results for n in res["homed"])
+    assert homed == sorted(results[0]["names"] * 2), homed
+
+
 @pytest.mark.parametrize("method", ["adamuon", "normuon"])
 def test_adaptive_muon_verify_mode_passes(pools, method):
     for res in pools(2).run(cases_adaptive_muon.train, 2, verify=True, moment2_method=method, timeout=TIMEOUT):

@@ -55,8 +55,9 @@ def run_save(path: str, before: int, after: int, layout_name: str = "dp", optimi
 
 
 def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, layout_name: str = "dp",
-             optimizer: str = "soap", extra: Optional[dict] = None) -> dict:
-    """Per format: a fresh run (other weights) loads it; the per-matrix state right after, then ``after`` steps."""
+             optimizer: str = "soap", extra: Optional[dict] = None, resave_path: str = "") -> dict:
+    """Per format: a fresh run (other weights) loads it; the per-matrix state right after, then (``resave_path``:
+    saved there in that format, as iteration ``before``) ``after`` steps."""
     mcore_cpu.init_parallel_state()
     layout = ccm.LAYOUTS[layout_name]
     whole = ccm.ccmp._whole_init(1, layout)
@@ -66,29 +67,10 @@ def run_load(path: str, before: int, after: int, formats: tuple = ccm.FORMATS, l
             chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer=optimizer, **(extra or {}))
             ccm.load(path, fmt, chunks, ddps, opt, sched)
             loaded = homed_state(opt)
+            if resave_path:
+                ccm.save(resave_path, fmt, chunks, ddps, opt, sched, before)
             losses = ccm.train(layout_name, ddps, opt, sched, ccm.plan(before + after)[before:])
             out[fmt] = {"loaded": loaded, "losses": losses, "params": params(chunks)}
-    return out
-
-
-
-def load_and_save(path: str, resave_path: str, steps: int, formats: tuple, layout_name: str, optimizer: str = "soap",
-                  extra: Optional[dict] = None) -> dict:
-    """Per format: a fresh run in ``layout_name`` (other weights) loads ``path``; its per-matrix state right after,
-    then it saves in that format to ``resave_path`` and trains ``steps`` steps: the losses (another layout's
-    reshard: the state is what is compared; the run must go on)."""
-    mcore_cpu.init_parallel_state()
-    layout = ccm.LAYOUTS[layout_name]
-    whole = ccm.ccmp._whole_init(1, layout)
-    out = {}
-    with ccm._installed(layout):
-        for fmt in formats:
-            chunks, ddps, opt, sched, whole = ccm.build(layout_name, whole, optimizer=optimizer, **(extra or {}))
-            ccm.load(path, fmt, chunks, ddps, opt, sched)
-            loaded = homed_state(opt)
-            ccm.save(resave_path, fmt, chunks, ddps, opt, sched, 2)
-            losses = ccm.train(layout_name, ddps, opt, sched, ccm.plan(2 + steps)[2:])
-            out[fmt] = {"loaded": loaded, "losses": losses}
     return out
 
 
@@ -101,4 +83,4 @@ def load_refused(path: str, fmt: str, layout_name: str, optimizer: str = "soap",
     return "loaded"
 
 
-__all__ = ["run_save", "run_load", "load_and_save", "load_refused", "homed_state", "torch"]
+__all__ = ["run_save", "run_load", "load_refused", "homed_state", "torch"]

@@ -88,15 +88,17 @@ def train_step(ddps: list, opt, sched, mine: list, ga: int, mb: int, global_batc
 
 
 def run_muon_ep(layout_name: str, steps: int = 3, tp_mode: str = "duplicated", ga: int = 2, mb: int = 2,
-                bucket_size: int = 4000, matmul_prec: str = "highest") -> dict:
+                bucket_size: int = 4000, matmul_prec: str = "highest", optimizer: str = "muon",
+                moment2_method: str = "adamuon") -> dict:
     """Train ``steps`` steps in the named EP layout (LAYOUTS) and the float64 reference; this rank's
     per-step figures (dense and expert apart), replica checks and the chain's children.
 
     ``tp_mode``: muon_tp_mode. The reference is the whole model at TP 1, which every mode matches at dense
-    TP 1; at expert TP 2 only 'duplicated' and 'distributed' (the full matrix, TP-invariant) do."""
+    TP 1; at expert TP 2 only 'duplicated' and 'distributed' (the full matrix, TP-invariant) do. ``optimizer``
+    'adaptive_muon' with ``moment2_method``: AdaptiveMuon, against its reference."""
     layout = LAYOUTS[layout_name]
     options = dict(tp_mode=tp_mode, overlap=True, nesterov=False, matmul_prec=matmul_prec, verify=False,
-                   bucket_size=bucket_size, nonfinite_at=None)
+                   bucket_size=bucket_size, nonfinite_at=None, optimizer=optimizer, moment2_method=moment2_method)
     mcore_cpu.init_parallel_state()
     dp = dist.get_world_size() // (layout.tp * layout.pp)
     step_batches = global_batches(steps, dp, ga, mb)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.mcore import cases_muon_expert_parallel as cme
 from tests.mcore import cases_muon_model_parallel as cmm
+from tests.mcore.test_muon_expert_parallel import check as check_ep
 from tests.mcore.test_muon_model_parallel import check
 
 TIMEOUT = 300
@@ -44,3 +46,10 @@ def test_normuon_tensor_parallel_verify_mode(pools):
                            moment2_method="normuon", timeout=TIMEOUT)
     check(results, 2)
     assert all(r["verified"] == 2 for r in results), [r["verified"] for r in results]
+
+
+def test_normuon_expert_parallel_ep2_under_dp4(pools):
+    """EP 2 under DP 4 (expert DP 2): the experts' NorMuon moments at homes in the expert data-parallel group."""
+    chain = [("adaptive_muon", False), ("adam", False), ("adaptive_muon", True), ("adam", True)]
+    check_ep(pools(4).run(cme.run_muon_ep, "ep2", 3, optimizer="adaptive_muon", moment2_method="normuon",
+                          timeout=TIMEOUT), 3, chain=chain)

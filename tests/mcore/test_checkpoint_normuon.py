@@ -15,7 +15,7 @@ import torch
 
 from tests.mcore import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
 from tests.mcore import cases_checkpoint_soap as ccs
-from tests.mcore.test_checkpoint_soap import as_tp2_blocks
+from tests.mcore.test_checkpoint_soap import _same, as_tp2_blocks
 
 BEFORE, AFTER = 2, 2
 TIMEOUT = 300
@@ -28,12 +28,6 @@ def saved_at_dp2(pools, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("normuon_dp2"))
     return path, pools(2).run(ccs.run_save, path, BEFORE, AFTER, "dp", "adaptive_muon", NORMUON,
                               timeout=TIMEOUT)[0]
-
-
-def _same(expected: dict, actual: dict, what: str) -> None:
-    assert expected.keys() == actual.keys(), what
-    for key, tensor in expected.items():
-        assert torch.equal(tensor, actual[key]), f"{what}: {key} differs"
 
 
 def test_the_saved_state_is_normuons(saved_at_dp2):
@@ -79,8 +73,8 @@ def test_tp2_duplicated_resume_is_bit_exact_and_tp1_keeps_its_blocks_or_is_refus
         assert "matrix_state_tp_size" in message, message
     # keeping the TP2 blocks (matrix_state_tp_size 2), TP1 loads it bitwise and trains on
     keep = dict(NORMUON, rule_constants={"matrix_state_tp_size": 2})
-    at_tp1 = pools(4).run(ccs.load_and_save, path, str(tmp_path / "tp1"), 2, ("fully_reshardable", "megatron_opt"),
-                          "dp", "adaptive_muon", keep, timeout=TIMEOUT)[0]
+    at_tp1 = pools(4).run(ccs.run_load, path, BEFORE, 2, ("fully_reshardable", "megatron_opt"), "dp",
+                          "adaptive_muon", keep, timeout=TIMEOUT)[0]
     for fmt, res in at_tp1.items():
         _same(straight["saved"], as_tp2_blocks(res["loaded"]), f"TP2 -> TP1 {fmt}: the loaded per-matrix state")
         assert all(loss is not None and torch.isfinite(torch.tensor(loss)) for loss in res["losses"]), res["losses"]
