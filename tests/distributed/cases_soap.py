@@ -50,11 +50,33 @@ def exact_gradient(step: int, world: int) -> dict[str, torch.Tensor]:
     return {f"{n}.weight": sum(coefficients(step, r)[n] for r in range(world)) * scale for n in SHAPES}
 
 
+# ``blocks``: a TP1 run that keeps the blocks of a TP2 split (matrix_state_tp_size 2): 'a' split over TP by rows, 'b'
+# by columns (megatron-core's tensor_model_parallel / partition_dim attributes, which it sets at TP1 too), 'c' not
+# split (whole). The reference then runs emerging-optimizers' SOAP on each block as its own param. The halves are
+# far from square ('a''s 5 x 10: R is rank 5 of 10), so the rotated gradient has whole null-space columns of
+# rounding noise, which eps 1e-8 lifts to +-1 (the module docstring) wherever two GEMMs round apart (the fuzzer
+# found 0.49 of a change at DP 3 with plain Shampoo); SOAP's eps 1.0 (BLOCKS_EPS, both sides) keeps it continuous.
+BLOCKS_EPS = 1.0
+TP_SPLIT = {"a.weight": 0, "b.weight": 1}
+HOMED_BLOCKS = ["a.weight@0,0", "a.weight@5,0", "b.weight@0,0", "b.weight@0,5", "c.weight"]  # their state_dict keys
+
+
+def blocks_of(name: str, t: torch.Tensor, blocks: bool) -> list[torch.Tensor]:
+    """The blocks of ``t`` (param ``name``) whose state SOAP keeps apart: its TP2 halves with ``blocks``, else it."""
+    return list(t.chunk(2, dim=TP_SPLIT[name])) if blocks and name in TP_SPLIT else [t]
+
+
 def build(use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1, overlap: bool = True,
-          bucket_size=None, sharded: bool = True, weight_decay: float = WEIGHT_DECAY, **options):
+          bucket_size=None, sharded: bool = True, weight_decay: float = WEIGHT_DECAY, blocks: bool = False,
+          **options):
     """``instances``: partial sharding (num_distributed_optimizer_instances): each instance homes every matrix;
-    ``sharded`` False: no distributed optimizer (every rank homes every matrix)."""
+    ``sharded`` False: no distributed optimizer (every rank homes every matrix); ``blocks``: see TP_SPLIT."""
     model = SoapNet()
+    if blocks:
+        for name, dim in TP_SPLIT.items():
+            param = model.get_parameter(name)
+            param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+        options["rule_constants"] = {"matrix_state_tp_size": 2, "soap_eps": BLOCKS_EPS}
     ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
         use_distributed_optimizer=sharded, overlap_grad_reduce=overlap, overlap_param_gather=overlap and sharded,
         grad_reduce_in_fp32=True, num_distributed_optimizer_instances=instances, bucket_size=bucket_size))
@@ -75,96 +97,46 @@ def _step(ddp, opt, step: int, same_on_every_rank: bool = False):
 
 
 def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, instances: int = 1,
-          **layout) -> dict:
-    """``steps`` steps of megatron_opt's SOAP and of emerging-optimizers' fed the same exact gradient: per step the
-    params' error relative to the change since the start, the grad norm's, and this rank's homed L and R against
-    the reference's."""
+          blocks: bool = False, **layout) -> dict:
+    """``steps`` steps of megatron_opt's SOAP and of emerging-optimizers' fed the same exact gradient (``blocks``: on
+    each kept block as its own param, TP_SPLIT): per step the params' error relative to the change since the start,
+    the grad norm's, and this rank's homed L and R against the reference's; the homed matrices' (blocks')
+    state_dict keys; the steps verified (``verify_interval`` in ``layout``: verify mode, raising)."""
     from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
 
     world = dist.get_world_size()
-    model, ddp, opt = build(use_kl_shampoo, shampoo_beta, instances, **layout)
-    ref = SoapNet()
-    ref_params = dict(ref.named_parameters())
-    reference = EmergingSOAP(list(ref_params.values()), lr=LR, betas=BETAS, shampoo_beta=shampoo_beta, eps=1e-8,
+    model, ddp, opt = build(use_kl_shampoo, shampoo_beta, instances, blocks=blocks, **layout)
+    initial = {n: p.detach().clone() for n, p in SoapNet().named_parameters()}
+    ref = {(n, b): torch.nn.Parameter(block.clone())
+           for n, t in initial.items() for b, block in enumerate(blocks_of(n, t, blocks))}
+    reference = EmergingSOAP(list(ref.values()), lr=LR, betas=BETAS, shampoo_beta=shampoo_beta,
+                             eps=BLOCKS_EPS if blocks else 1e-8,
                              weight_decay=layout.get("weight_decay", WEIGHT_DECAY), use_kl_shampoo=use_kl_shampoo)
-    initial = {n: p.detach().clone() for n, p in ref_params.items()}
     out = dict(success=[], param_err=[], norm_err=[], factor_err=[], homed=[])
     for step in range(steps):
         success, norm, _ = _step(ddp, opt, step)
         grads = exact_gradient(step, world)
-        for n, p in ref_params.items():
-            p.grad = grads[n].clone()
+        for (n, b), p in ref.items():
+            p.grad = blocks_of(n, grads[n], blocks)[b].clone()
         reference.step()
         out["success"].append(bool(success))
         ref_norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values())))
         out["norm_err"].append(abs(norm - ref_norm) / ref_norm)
-        out["param_err"].append({n: float((p.detach() - ref_params[n].detach()).norm()
-                                          / (ref_params[n].detach() - initial[n]).norm())
+        whole = {n: torch.cat([ref[(n, b)].detach() for b in range(len(blocks_of(n, t, blocks)))],
+                              dim=TP_SPLIT.get(n, 0)) for n, t in initial.items()}
+        out["param_err"].append({n: float((p.detach() - whole[n]).norm() / (whole[n] - initial[n]).norm())
                                  for n, p in model.named_parameters()})
         homed = opt.state_dict().get("matrix_state", {})
         out["homed"] = sorted(homed.get("L", {}))
         out["state_dtypes"] = sorted({(name, str(t.dtype)) for name, per in homed.items() for t in per.values()})
-        out["factor_err"].append({f"{n}:{f}": float((t - reference.state[ref_params[n]][f]).norm()
-                                                    / reference.state[ref_params[n]][f].norm())
-                                  for f in ("L", "R") for n, t in homed.get(f, {}).items()})
-    return out
-
-
-# A TP1 run that keeps the blocks of a TP2 split (matrix_state_tp_size 2): 'a' split over TP by rows, 'b' by columns
-# (megatron-core's tensor_model_parallel / partition_dim attributes, as at TP1 too), 'c' not split (whole).
-TP_SPLIT = {"a.weight": 0, "b.weight": 1}
-
-
-def train_blocks(steps: int, verify: bool = False) -> dict:
-    """megatron_opt's SOAP at TP1 with matrix_state_tp_size 2 against emerging-optimizers' SOAP run on each TP2 block
-    as its own param (a split matrix's halves along its partition dim; 'c' whole), fed the exact gradient's blocks:
-    per step the params' error relative to their change, and this rank's homed blocks' L and R against the
-    reference's. ``verify``: verify mode raising at every step (SOAP's float64 checks, per block)."""
-    from emerging_optimizers.soap.soap import SOAP as EmergingSOAP
-
-    world = dist.get_world_size()
-    model = SoapNet()
-    for name, dim in TP_SPLIT.items():
-        param = model.get_parameter(name)
-        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
-    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, grad_reduce_in_fp32=True))
-    opt = mo.get_megatron_optimizer(mo.OptimizerConfig(
-        optimizer="soap", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-        use_distributed_optimizer=True, rule_constants={"matrix_state_tp_size": 2}, verify_interval=int(verify),
-        verify_action="raise"), ddp)
-    start = {n: p.detach().clone() for n, p in SoapNet().named_parameters()}
-
-    def blocks_of(name: str, t: torch.Tensor) -> list[torch.Tensor]:
-        return list(t.chunk(2, dim=TP_SPLIT[name])) if name in TP_SPLIT else [t]
-
-    ref = {(n, b): torch.nn.Parameter(block.clone())
-           for n, t in start.items() for b, block in enumerate(blocks_of(n, t))}
-    reference = EmergingSOAP(list(ref.values()), lr=LR, betas=BETAS, shampoo_beta=0.95, eps=1e-8,
-                             weight_decay=WEIGHT_DECAY, use_kl_shampoo=True)
-    out = dict(success=[], param_err=[], factor_err=[], homed=[])
-    for step in range(steps):
-        success, _, _ = _step(ddp, opt, step)
-        grads = exact_gradient(step, world)
-        for (n, b), p in ref.items():
-            p.grad = blocks_of(n, grads[n])[b].clone()
-        reference.step()
-        out["success"].append(bool(success))
-        whole = {n: torch.cat([ref[(n, b)].detach() for b in range(len(blocks_of(n, t)))], dim=TP_SPLIT.get(n, 0))
-                 for n, t in start.items()}
-        out["param_err"].append({n: float((p.detach() - whole[n]).norm() / (whole[n] - start[n]).norm())
-                                 for n, p in model.named_parameters()})
-        homed = opt.state_dict().get("matrix_state", {})
-        out["homed"] = sorted(homed.get("L", {}))
         errs = {}
         for f in ("L", "R"):
             for key, t in homed.get(f, {}).items():
-                name, _, offset = key.partition("@")
-                block = int(any(int(o) for o in offset.split(","))) if offset else 0
-                theirs = reference.state[ref[(name, block)]][f]
+                name, _, offset = key.partition("@")  # a kept block's key: '<name>@<offset>'
+                theirs = reference.state[ref[(name, int(any(int(o) for o in offset.split(","))) if offset else 0)]][f]
                 errs[f"{key}:{f}"] = float((t - theirs).norm() / theirs.norm())
         out["factor_err"].append(errs)
-    out["verified"] = opt.verify_report.verified_steps if verify else None
+    out["verified"] = opt.verify_report.verified_steps if opt.verify_report is not None else 0
     return out
 
 
@@ -306,5 +278,5 @@ def verified(steps: int, fault: str = "none", use_kl_shampoo: bool = True, weigh
     return out
 
 
-__all__ = ["SoapNet", "MATRICES", "train", "train_blocks", "verified", "resume", "state_dict_round_trip",
+__all__ = ["SoapNet", "MATRICES", "HOMED_BLOCKS", "train", "verified", "resume", "state_dict_round_trip",
            "state_dict_without_matrix_state"]

@@ -10,8 +10,8 @@ A second test draws Muon combinations (muon_* options, DP size, sharding, bucket
 AdaptiveMuon with either second moment) against the float64 Muon / AdaptiveMuon reference: 2 draws plus two
 explicit combinations by default, 150 in the long profile.
 A third draws SOAP combinations (DP size, sharding, partial-sharding instances, buckets, overlap, KL-Shampoo,
-shampoo_beta, weight decay) against emerging-optimizers' SOAP fed the same exact gradients
-(tests/distributed/cases_soap.py): 10 draws by default, 200 in the long profile.
+shampoo_beta, weight decay, verify mode, the state kept per TP2 block at TP1) against emerging-optimizers' SOAP
+fed the same exact gradients (tests/distributed/cases_soap.py): 10 draws by default, 200 in the long profile.
 """
 from __future__ import annotations
 
@@ -195,16 +195,25 @@ def soap_combinations(draw) -> dict:
                 overlap=overlap, bucket_size=draw(st.sampled_from([None, 100, 250])) if overlap else None,
                 use_kl_shampoo=draw(st.booleans()), shampoo_beta=draw(st.sampled_from([0.95, 0.8, 0.5])),
                 weight_decay=draw(st.sampled_from([0.0, 0.1])),
-                verify_interval=draw(st.sampled_from([0, 1])))  # verify mode: SOAP's float64 recomputation
+                verify_interval=draw(st.sampled_from([0, 1])),  # verify mode: SOAP's float64 recomputation
+                # matrix_state_tp_size 2 at TP1: the state kept per TP2 block. Plain Shampoo only: the halves are
+                # rank-deficient, where KL-Shampoo inverts rounding noise, and emerging-optimizers' eigenbases keep
+                # another memory layout (a GEMM rounds otherwise), so only verify mode can check KL there
+                # (tests/distributed/test_soap.py does, with it on).
+                blocks=draw(st.booleans()))
+
+
+def _blocks_need_plain_shampoo(c: dict) -> bool:
+    return not (c["blocks"] and c["use_kl_shampoo"])
 
 
 @pytest.mark.timeout(600)
 @seed(FUZZ_SEED)
 @settings(derandomize=PROFILE != "long", **dict(_SETTINGS, max_examples=SOAP_EXAMPLES))
-@given(c=soap_combinations())
+@given(c=soap_combinations().filter(_blocks_need_plain_shampoo))
 # its first find: a matrix homed off its only owner
 @example(c=dict(world=3, sharded=True, instances=1, overlap=True, bucket_size=100, use_kl_shampoo=False,
-                shampoo_beta=0.8, weight_decay=0.0, verify_interval=0))
+                shampoo_beta=0.8, weight_decay=0.0, verify_interval=0, blocks=False))
 def test_soap_composition_against_emerging_optimizers_soap(pools, c):
     """tests/distributed/test_soap.py's bounds: params 1e-5 of their change, the factors 1e-6, the grad norm 1e-6;
     every matrix homed once per optimizer instance (every rank, unsharded); with verify mode on, no finding (a
@@ -224,4 +233,5 @@ def test_soap_composition_against_emerging_optimizers_soap(pools, c):
             assert max(r["factor_err"][step].values(), default=0.0) <= 1e-6, f"{where} rank={rank} step={step}"
         homes += r["homed"]
     copies = c["world"] if not c["sharded"] else c["instances"]
-    assert sorted(homes) == sorted(cases_soap.MATRICES * copies), where
+    keys = cases_soap.HOMED_BLOCKS if c["blocks"] else cases_soap.MATRICES
+    assert sorted(homes) == sorted(keys * copies), where

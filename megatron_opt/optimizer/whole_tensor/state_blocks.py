@@ -28,7 +28,9 @@ class StateBlocks:
     count: int = 1
 
     def split(self, matrix: torch.Tensor) -> list[torch.Tensor]:
-        return [matrix] if self.count == 1 else list(matrix.chunk(self.count, dim=self.dim))
+        """The blocks, each contiguous as a TP rank's own block is: a GEMM rounds by its operands' layout, and the
+        block's step should be the one that TP rank computes."""
+        return [matrix] if self.count == 1 else [b.contiguous() for b in matrix.chunk(self.count, dim=self.dim)]
 
     def join(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return parts[0] if self.count == 1 else torch.cat(list(parts), dim=self.dim)
