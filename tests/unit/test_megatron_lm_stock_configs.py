@@ -108,6 +108,10 @@ def test_layer_wise_distributed_adaptive_muon_is_megatron_opts_sharded_adaptive_
     converted = as_optimizer_config(config)
     assert (converted.optimizer, converted.use_distributed_optimizer) == ("soap", True)
     assert (converted.soap_shampoo_beta, converted.soap_use_kl_shampoo) == (0.9, False)
-    config.optimizer = "lion"
-    with pytest.raises(UnsupportedConfigError, match="use_layer_wise_distributed_optimizer=True with optimizer='lion'"):
+    config.optimizer = "lion"  # megatron-core's Lion is another split than megatron_opt's: refused, with or without
+    with pytest.raises(UnsupportedConfigError, match="optimizer='lion': megatron-core's optimizer='lion' is "
+                                                     "emerging-optimizers' Lion on the 2-D weights"):
+        as_optimizer_config(config)
+    config.use_layer_wise_distributed_optimizer = False
+    with pytest.raises(UnsupportedConfigError, match="betas=\\(adam_beta1, adam_beta2\\) and AdamW on the other"):
         as_optimizer_config(config)
