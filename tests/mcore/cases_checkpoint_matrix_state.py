@@ -1,8 +1,8 @@
-"""Worker-side cases: SOAP's per-matrix state (optimizer='soap' through install(), megatron-core's GPTModel) in
-Megatron-LM's torch_dist formats and megatron_opt.checkpoint (tests/mcore/cases_checkpoint_muon.py's harness with
-optimizer='soap'; or ``optimizer`` / ``extra`` another rule with per-matrix state: AdaptiveMuon's NorMuon). What is
-compared: every rank's per-matrix state as ``optimizer.state_dict()['matrix_state']`` gives it (the matrices homed
-there), gathered to rank 0, and the losses and params of the continuation."""
+"""Worker-side cases: a rule's per-matrix state (SOAP's by default, optimizer='soap'; ``optimizer`` / ``extra``:
+another rule that keeps it, AdaptiveMuon's NorMuon) through install() on megatron-core's GPTModel, in Megatron-LM's
+torch_dist formats and megatron_opt.checkpoint (tests/mcore/cases_checkpoint_muon.py's harness). What is compared:
+every rank's per-matrix state as ``optimizer.state_dict()['matrix_state']`` gives it (the matrices homed there),
+gathered to rank 0, and the losses and params of the continuation."""
 from __future__ import annotations
 
 from typing import Any, Optional
