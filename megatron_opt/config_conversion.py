@@ -88,26 +88,17 @@ def as_ddp_config(config: Any) -> DistributedDataParallelConfig:
     return _convert(config, DistributedDataParallelConfig, "ddp_config", "ddp")
 
 
-# megatron-core (0.19 and Megatron-LM main) sends optimizer='lion' through its emerging-optimizer path: emerging-
-# optimizers' Lion on the 2-D weights that are not embedding or output, with betas (adam_beta1, adam_beta2) (it reads
-# lion_beta1 / lion_beta2 only for muon_scalar_optimizer='lion'), and AdamW on every other param. megatron_opt's
-# 'lion' is Lion on every param with lion_beta1 / lion_beta2: another optimizer, so megatron-core's config is refused
-# (tests/mcore/test_megatron_core_lion.py pins megatron-core's split).
-MEGATRON_CORE_LION = (
-    "megatron-core's optimizer='lion' is emerging-optimizers' Lion on the 2-D weights (not embedding or output) with "
-    "betas=(adam_beta1, adam_beta2) and AdamW on the other params, where megatron_opt's 'lion' is Lion on every param "
-    "with lion_beta1 / lion_beta2: it would train another optimizer than megatron-core's. megatron_opt does not run "
-    "megatron-core's split yet; pass megatron_opt.OptimizerConfig(optimizer='lion') for megatron_opt's Lion, or use "
-    "optimizer='adam'")
-
-
 def as_optimizer_config(config: Any) -> OptimizerConfig:
     """Ours unchanged; megatron-core's OptimizerConfig (or AdamOptimizerConfig / SGDOptimizerConfig)
-    converted field by field (its optimizer='lion' refused by name: MEGATRON_CORE_LION)."""
-    if not isinstance(config, OptimizerConfig) and getattr(config, "optimizer", None) == "lion":
-        raise UnsupportedConfigError(f"{type(config).__module__}.{type(config).__name__}.optimizer='lion': "
-                                     f"{MEGATRON_CORE_LION}.")
-    return _convert(config, OptimizerConfig, "config", "optimizer")
+    converted field by field. megatron-core's optimizer='lion' (0.19, Megatron-LM main: its emerging-optimizer path)
+    is emerging-optimizers' Lion on the 2-D weights that are not embedding or output, with betas (adam_beta1,
+    adam_beta2) (it reads lion_beta1 / lion_beta2 only for muon_scalar_optimizer='lion'), and AdamW on the rest:
+    ours with those betas and ``lion_scope='matrices'`` (tests/mcore/test_megatron_core_lion.py)."""
+    ours = _convert(config, OptimizerConfig, "config", "optimizer")
+    if not isinstance(config, OptimizerConfig) and ours.optimizer == "lion":
+        ours = dataclasses.replace(ours, lion_beta1=ours.adam_beta1, lion_beta2=ours.adam_beta2,
+                                   rule_constants={**ours.rule_constants, "lion_scope": "matrices"})
+    return ours
 
 
 def is_ours(config: Any) -> bool:

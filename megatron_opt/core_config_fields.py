@@ -111,10 +111,9 @@ OPTIMIZER_FIELDS: dict[str, Treatment] = {
     # use_distributed_optimizer=False, and wraps the model with ddp_config.use_distributed_optimizer=True:
     # for megatron_opt it asks for Muon sharded over the data-parallel ranks (its MatrixExchange homes).
     "use_layer_wise_distributed_optimizer": ShardsOptimizer(
-        ("adaptive_muon", "muon", "dist_muon", "soap"), "megatron-core's layer-wise distributed optimizer is for its "
-        "matrix optimizers (megatron_opt runs 'muon' / 'dist_muon', 'adaptive_muon' and 'soap' sharded); for "
-        "optimizer='adam', "
-        "'sgd' or 'lion' use use_distributed_optimizer=True"),
+        ("adaptive_muon", "muon", "dist_muon", "soap", "lion"), "megatron-core's layer-wise distributed optimizer is "
+        "for its emerging optimizers (megatron_opt runs 'muon' / 'dist_muon', 'adaptive_muon', 'soap' and 'lion' "
+        "sharded); for optimizer='adam' or 'sgd' use use_distributed_optimizer=True"),
 }
 
 

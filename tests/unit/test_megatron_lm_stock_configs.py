@@ -108,10 +108,11 @@ def test_layer_wise_distributed_adaptive_muon_is_megatron_opts_sharded_adaptive_
     converted = as_optimizer_config(config)
     assert (converted.optimizer, converted.use_distributed_optimizer) == ("soap", True)
     assert (converted.soap_shampoo_beta, converted.soap_use_kl_shampoo) == (0.9, False)
-    config.optimizer = "lion"  # megatron-core's Lion is another split than megatron_opt's: refused, with or without
-    with pytest.raises(UnsupportedConfigError, match="optimizer='lion': megatron-core's optimizer='lion' is "
-                                                     "emerging-optimizers' Lion on the 2-D weights"):
-        as_optimizer_config(config)
-    config.use_layer_wise_distributed_optimizer = False
-    with pytest.raises(UnsupportedConfigError, match="betas=\\(adam_beta1, adam_beta2\\) and AdamW on the other"):
-        as_optimizer_config(config)
+    config.optimizer = "lion"  # megatron-core's Lion: the matrices, with the Adam betas (AdamW the rest); sharded too
+    config.adam_beta1, config.adam_beta2, config.lion_beta1, config.lion_beta2 = 0.8, 0.9, 0.5, 0.6
+    for layer_wise in (True, False):
+        config.use_layer_wise_distributed_optimizer = layer_wise
+        converted = as_optimizer_config(config)
+        assert (converted.optimizer, converted.use_distributed_optimizer) == ("lion", layer_wise)
+        assert (converted.lion_beta1, converted.lion_beta2) == (0.8, 0.9)
+        assert converted.rule_constants == {"lion_scope": "matrices"}

@@ -107,8 +107,9 @@ def _string_constants(path: Path) -> list[str]:
 
 def test_one_list_of_synonyms():
     """An optimizer's other names are declared by its rule (``aliases``) and read from there: no module
-    spells one out, except core_config_fields.py, below the rules' layer, whose list must equal the whole-tensor
-    rules' names."""
+    spells one out, except core_config_fields.py, below the rules' layer, whose list must equal the names of the
+    rules megatron-core runs through its emerging-optimizer path: the whole-tensor rules and Lion (megatron-core's
+    lion takes the matrices: a rule whose param_split exists for it)."""
     aliases = {a for rule in RULES for a in rule.aliases}
     assert aliases == {"dist_muon"}
     spelled = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
@@ -116,7 +117,9 @@ def test_one_list_of_synonyms():
                      and aliases & set(_string_constants(p)))
     assert not spelled, f"modules naming an optimizer synonym: {spelled}"
     sharded = core_config_fields.OPTIMIZER_FIELDS["use_layer_wise_distributed_optimizer"]
-    assert set(sharded.optimizers) == {n for rule in RULES if rule.needs is Needs.WHOLE_TENSORS for n in rule.names()}
+    splits = {n for rule in RULES if rule.needs is Needs.WHOLE_TENSORS or "scope" in rule.constants()
+              for n in rule.names()}
+    assert set(sharded.optimizers) == splits
 
 
 def test_qkv_split_attr_is_defined_once():

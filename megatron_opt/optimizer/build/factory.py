@@ -152,9 +152,11 @@ def get_megatron_optimizer(
     device = chunks[0].grad_scale_factor.device
     scaler = build_grad_scaler(config, device)
     common = dict(model_parallel_group=model_parallel_group, tensor_parallel_group=tensor_parallel_group)
-    if rule.needs is Needs.WHOLE_TENSORS:  # the whole-tensor family (Muon, AdaptiveMuon): its params and AdamW's
-        _check_muon_layout(config, chunks, tensor_parallel_group)
-        return _whole_tensor_optimizer(config, rule.takes, splits, dense_per_split, chunks, expert_groups, scaler,
+    split = rule.param_split()
+    if split is not None:  # the whole-tensor family (Muon, AdaptiveMuon, SOAP), megatron-core's Lion: AdamW the rest
+        if rule.needs is Needs.WHOLE_TENSORS:
+            _check_muon_layout(config, chunks, tensor_parallel_group)
+        return _whole_tensor_optimizer(config, split, splits, dense_per_split, chunks, expert_groups, scaler,
                                        common, grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
                 for split, dense in zip(splits, dense_per_split)]

@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import asdict, is_dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -101,6 +101,12 @@ class Needs(enum.Enum):
     WHOLE_TENSORS = "whole tensors"
 
 
+def is_matrix_param(param: torch.Tensor) -> bool:
+    """megatron-core's split for its emerging optimizers (Muon, SOAP, its Lion): a 2-D param not marked
+    ``is_embedding_or_output_parameter``; AdamW takes the rest."""
+    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
 class UpdateRule(abc.ABC):
     """One optimizer's update on a flat fp32 master shard."""
 
@@ -162,6 +168,11 @@ class UpdateRule(abc.ABC):
         cls.check_config(config)
         return cls(**cls.constants_from(config))
 
+    def param_split(self) -> Optional[Callable[[torch.Tensor], bool]]:
+        """Which params this rule updates when it takes only some (the rest: an AdamW companion with the adam_*
+        settings, build/factory.py); None (the default): every param."""
+        return None
+
     def torch_group_fields(self) -> dict[str, Any]:
         """What megatron-core's inner optimizer (torch's, for the built-in rules) keeps in each param group
         for this rule, written into torch_dist checkpoints (optimizer/state/torch_dist.py): default, the
@@ -204,4 +215,4 @@ class UpdateRule(abc.ABC):
         return None
 
 
-__all__ = ["UpdateRule", "Needs", "Constant", "constant", "SAME_AS_CONFIG", "CONFIG_OWNER"]
+__all__ = ["UpdateRule", "Needs", "Constant", "constant", "SAME_AS_CONFIG", "CONFIG_OWNER", "is_matrix_param"]

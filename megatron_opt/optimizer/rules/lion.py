@@ -8,7 +8,7 @@ recomputation (``recompute``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 
@@ -16,7 +16,9 @@ from ... import ops
 from ...ops.op_args import LrWd, ShardOperands, UpdateArgs
 from ...ops.step_plan import StepPlan
 from ..verify.float64_update import Float64Inputs, Float64Update, rounding_bound
-from .base import UpdateRule, constant
+from .base import UpdateRule, constant, is_matrix_param
+
+LION_SCOPES = ("all", "matrices")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,8 +72,17 @@ class Lion(UpdateRule):
     # megatron-core 0.19's names and defaults (Megatron-LM's --lion-beta1 / --lion-beta2)
     beta1: float = constant(0.95, "lion_beta1", low=0, high=1, high_open=False)  # the interpolation for the sign
     beta2: float = constant(0.98, "lion_beta2", low=0, high=1, high_open=False)  # the momentum decay
+    # Which params: 'all', or megatron-core's optimizer='lion' (0.19, Megatron-LM main): 'matrices', the 2-D weights
+    # that are not embedding or output, AdamW the rest (install() converts megatron-core's config to it, with the
+    # Adam betas, which megatron-core's Lion reads: config_conversion.py).
+    scope: str = constant("all", "lion_scope", choices=LION_SCOPES,
+                          help="the params Lion updates: all, or matrices (megatron-core's optimizer='lion': the 2-D "
+                               "weights that are not embedding or output; AdamW the rest)")
     name: ClassVar[str] = "lion"
     op_record: ClassVar[type] = LionStep
+
+    def param_split(self) -> Optional[Callable[[torch.Tensor], bool]]:
+        return is_matrix_param if self.scope == "matrices" else None
 
     def state_dtypes(self) -> dict[str, torch.dtype]:
         return {"exp_avg": torch.float32}
@@ -84,4 +95,4 @@ class Lion(UpdateRule):
         return recompute(inputs, self.beta1, self.beta2)
 
 
-__all__ = ["Lion", "LionStep", "recompute"]
+__all__ = ["Lion", "LionStep", "recompute", "LION_SCOPES"]

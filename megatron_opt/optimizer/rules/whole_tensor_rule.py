@@ -31,7 +31,7 @@ import torch
 from ... import ops
 from ...errors import UnsupportedConfigError
 from ...ops.step_plan import StepPlan
-from .base import Needs, UpdateRule, constant
+from .base import Needs, UpdateRule, constant, is_matrix_param
 
 Scalar = Union[float, torch.Tensor]  # a host float, or a 0-d device tensor (the staged lr / wd table)
 TensorDict = dict[str, torch.Tensor]
@@ -74,9 +74,11 @@ class WholeTensorRule(UpdateRule):
     # ----------------------------------------------------------------- what it needs
     @staticmethod
     def takes(param: torch.Tensor) -> bool:
-        """megatron-core's split for its matrix optimizers: a 2-D param not marked
-        ``is_embedding_or_output_parameter``; the rest goes to AdamW."""
-        return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+        """megatron-core's split for its matrix optimizers (``is_matrix_param``); the rest goes to AdamW."""
+        return is_matrix_param(param)
+
+    def param_split(self) -> Optional[Any]:
+        return self.takes
 
     @property
     def tensor_parallel_mode(self) -> str:
