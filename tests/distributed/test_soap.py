@@ -15,6 +15,7 @@ import torch
 
 import megatron_opt.checkpoint as ckpt
 from tests.distributed import cases_soap
+from tests.support.common import the_same_on_every_rank
 
 PARAM, FACTOR, NORM = 1e-5, 1e-6, 1e-6
 TIMEOUT = 240
@@ -129,9 +130,7 @@ def test_verify_mode_finds_a_compute_fault_in_soaps_step_on_every_rank(pools, fa
     every rank finishes (the pool's timeout bounds it)."""
     results = pools(3).run(cases_soap.verified, 5, fault, timeout=TIMEOUT)
     assert all(r["faulted"] for r in results)
-    messages = {r["error"] for r in results}
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = the_same_on_every_rank(r["error"] for r in results)
     assert message.startswith("VerificationError") and "step() call 3" in message and check in message, message
     assert all(r["success"] == [True, True] for r in results), results
 

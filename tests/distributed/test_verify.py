@@ -7,17 +7,16 @@ import pytest
 import torch
 
 from tests.distributed import cases_verify
+from tests.support.common import the_same_on_every_rank
 
 TIMEOUT_S = 120  # every rank must finish (raise or go on) within this
 
 
 def _raised_everywhere(results: list, check: str, param: str, rank: int) -> str:
     """Every rank raised the same VerificationError naming the check, the param and the rank at fault."""
-    messages = {r["message"] for r in results}
     assert [r["error"] for r in results] == ["VerificationError"] * len(results), [r["error"] for r in results]
     assert not any(r["is_rank_error"] for r in results)
-    assert len(messages) == 1, messages
-    message = messages.pop()
+    message = the_same_on_every_rank(r["message"] for r in results)
     assert f"{check}: param '{param}', rank {rank} at fault" in message, message
     assert "max abs diff" in message and "max rel diff" in message, message
     return message

@@ -19,6 +19,7 @@ import torch
 
 from tests.mcore import mcore_cpu  # noqa: F401  (CI installs megatron-core: a missing dependency fails loudly)
 from tests.mcore import cases_checkpoint_matrix_state as ccs
+from tests.support.common import the_same_on_every_rank
 
 BEFORE, AFTER = 2, 2
 TIMEOUT = 300
@@ -101,9 +102,8 @@ def test_tp2_resume_is_bit_exact_and_tp1_keeps_its_blocks_or_is_refused(pools, t
         assert res["losses"] == straight["losses"], fmt
     # at TP1 the blocks are other matrices: each format refuses on every rank, naming the state and the ways on
     for fmt in ("megatron_opt", "fully_reshardable"):
-        messages = set(pools(4).run(ccs.load_refused, path, fmt, "dp", optimizer, extra, timeout=TIMEOUT))
-        assert len(messages) == 1, messages
-        message = messages.pop()
+        message = the_same_on_every_rank(pools(4).run(ccs.load_refused, path, fmt, "dp", optimizer, extra,
+                                                      timeout=TIMEOUT))
         assert "CheckpointError" in message and "per-matrix state" in message and "tensor-parallel" in message, message
         assert "--no-load-optim" in message and "matrix_state_tp_size" in message, message
     # keeping the TP2 blocks, TP1 loads it bitwise, trains on, and its own checkpoint loads back at TP2 bitwise

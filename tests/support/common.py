@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -151,6 +151,14 @@ def whole_from_parts(parts: list[dict], shapes: dict[str, tuple]) -> dict[str, t
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def the_same_on_every_rank(values: Iterable[Any]) -> Any:
+    """The one value every rank reported (an error message raised on every rank together); AssertionError listing
+    them when the ranks differ."""
+    distinct = set(values)
+    assert len(distinct) == 1, distinct
+    return distinct.pop()
 
 
 def assert_identical_across_ranks(t: torch.Tensor) -> None:

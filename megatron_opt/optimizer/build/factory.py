@@ -156,8 +156,8 @@ def get_megatron_optimizer(
     if split is not None:  # the whole-tensor family (Muon, AdaptiveMuon, SOAP), megatron-core's Lion: AdamW the rest
         if rule.needs is Needs.WHOLE_TENSORS:
             _check_muon_layout(config, chunks, tensor_parallel_group)
-        return _whole_tensor_optimizer(config, split, splits, dense_per_split, chunks, expert_groups, scaler,
-                                       common, grad_stats_group)
+        return _paired_optimizer(config, split, splits, dense_per_split, chunks, expert_groups, scaler, common,
+                                 grad_stats_group)
     children = [DistributedOptimizer(config, split, dense, scaler, expert_parallel=False, **common)
                 for split, dense in zip(splits, dense_per_split)]
     if expert_groups:
@@ -167,43 +167,41 @@ def get_megatron_optimizer(
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group)
 
 
-def _whole_tensor_optimizer(config: OptimizerConfig, takes: Callable[[torch.Tensor], bool], splits: list[list],
-                            dense_per_split: list[list[dict]], chunks: list, expert_groups: list[dict],
-                            scaler: Optional[MegatronGradScaler], common: dict,
-                            grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
-    """A whole-tensor rule (Muon below; AdaptiveMuon the same) for the params its ``takes`` selects,
-    megatron-core's split: Muon for 2-D params not marked is_embedding_or_output_parameter, AdamW with
-    the adam_* settings for the rest, and (grouping by (optimizer, is_expert) as megatron-core does) the
-    expert-parallel params apart: [dense Muon, dense AdamW] per split of the chunks, then [expert Muon,
-    expert AdamW], every leaf under the chain's one driver (one norm, one clip, one decision, one
-    scaler). Each Muon leaf exchanges its matrices over its shards' data-parallel group: the dense DP
-    group (one optimizer instance of it with partial sharding) or the expert DP group. With
-    overlap_param_gather_with_optimizer_step the first split (the first chunk's dense params) is
-    stepped and all-gathered first: its Muon and AdamW children together."""
+def _paired_optimizer(config: OptimizerConfig, takes: Callable[[torch.Tensor], bool], splits: list[list],
+                      dense_per_split: list[list[dict]], chunks: list, expert_groups: list[dict],
+                      scaler: Optional[MegatronGradScaler], common: dict,
+                      grad_stats_group: Optional[torch.distributed.ProcessGroup]) -> ChainedOptimizer:
+    """A rule for the params its ``takes`` selects (``UpdateRule.param_split``: the whole-tensor family, Muon,
+    AdaptiveMuon and SOAP; megatron-core's Lion), megatron-core's split: the rule for 2-D params not marked
+    is_embedding_or_output_parameter, AdamW with the adam_* settings for the rest, and (grouping by (optimizer,
+    is_expert) as megatron-core does) the expert-parallel params apart: [dense rule, dense AdamW] per split of the
+    chunks, then [expert rule, expert AdamW], every leaf under the chain's one driver (one norm, one clip, one
+    decision, one scaler). A whole-tensor leaf exchanges its matrices over its shards' data-parallel group: the
+    dense DP group (one optimizer instance of it with partial sharding) or the expert DP group. With
+    overlap_param_gather_with_optimizer_step the first split (the first chunk's dense params) is stepped and
+    all-gathered first: its two children together."""
     adam_config = dataclasses.replace(config, optimizer="adam")
 
-    uses_muon = takes
-
-    def pair(some_chunks: list, groups: list[dict], expert: bool, always_muon: bool) -> list[DistributedOptimizer]:
+    def pair(some_chunks: list, groups: list[dict], expert: bool, always_rule: bool) -> list[DistributedOptimizer]:
         def part(keep: bool) -> list[dict]:
-            parts = [dict(g, params=[p for p in g["params"] if uses_muon(p) == keep]) for g in groups]
+            parts = [dict(g, params=[p for p in g["params"] if takes(p) == keep]) for g in groups]
             return [g for g in parts if g["params"]]
 
         out = []
-        muon_groups, adam_groups = part(True), part(False)
-        if muon_groups or always_muon:
-            out.append(DistributedOptimizer(config, some_chunks, muon_groups, scaler, expert_parallel=expert,
-                                            selects=uses_muon, **common))
+        rule_groups, adam_groups = part(True), part(False)
+        if rule_groups or always_rule:
+            out.append(DistributedOptimizer(config, some_chunks, rule_groups, scaler, expert_parallel=expert,
+                                            selects=takes, **common))
         if adam_groups:
             out.append(DistributedOptimizer(adam_config, some_chunks, adam_groups, scaler, expert_parallel=expert,
-                                            selects=lambda p: not uses_muon(p), **common))
+                                            selects=lambda p: not takes(p), **common))
         return out
 
-    per_split = [pair(split, dense, False, always_muon=i == 0) for i, (split, dense) in enumerate(zip(splits,
+    per_split = [pair(split, dense, False, always_rule=i == 0) for i, (split, dense) in enumerate(zip(splits,
                                                                                                      dense_per_split))]
     children = [c for cs in per_split for c in cs]
     if expert_groups:
-        children += pair(chunks, expert_groups, True, always_muon=False)
+        children += pair(chunks, expert_groups, True, always_rule=False)
     early = len(per_split[0]) if config.overlap_param_gather_with_optimizer_step else None
     return ChainedOptimizer(children, grad_stats_group=grad_stats_group, early_children=early)
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from ...errors import UnsupportedConfigError
-from ..verify.float64_update import rounding_bound
+from ..verify.float64_update import FP32_UNIT, rounding_bound
 from .base import CONFIG_OWNER, constant
 from .muon import Muon, recompute_master
 from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, state_tp_size_constant
@@ -38,7 +38,6 @@ from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, state_tp_size_co
 MOMENT2_METHODS = ("adamuon", "normuon")  # megatron-core main's; emerging-optimizers' 'namo' it does not offer
 # The elementwise part 3 in fp32: V's and D's roundings, relative to |D| (a few ulps, with headroom).
 FINISH_RELATIVE_ERROR = 2e-6
-FP32_UNIT_ROUNDOFF = 2.0 ** -24
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ class AdaptiveMuon(Muon):
         (sqrt(k) + 16) ulps relative, its blocked summation's error with headroom)."""
         if not self.per_row:
             return super().recompute_update_with_state(update, tolerance, before, after)
-        o, tau, u = update, float(tolerance), FP32_UNIT_ROUNDOFF
+        o, tau, u = update, float(tolerance), FP32_UNIT
         dim = _averaged_dim(o.shape)
         k = o.shape[dim]
         v0 = before["moment2_buffer"].double()

@@ -29,7 +29,7 @@ import torch
 
 from ...errors import InvalidConfigError, UnsupportedConfigError
 from ..verify.float64_update import rounding_bound
-from .base import CONFIG_OWNER, Needs, constant
+from .base import CONFIG_OWNER, Needs, constant, is_matrix_param
 from .whole_tensor_rule import MatrixFacts, Scalar, TensorDict, WholeTensorRule
 
 # The quintic Newton-Schulz coefficients (a, b, c), used in turn (Keller Jordan's set, as
@@ -45,8 +45,9 @@ QKV_SPLIT_ATTR = "qkv_split_shapes"  # on a param: rows of (Q, K, V) in one quer
 
 
 def uses_muon(param: torch.Tensor) -> bool:
-    """megatron-core's split: a 2-D param not marked ``is_embedding_or_output_parameter`` gets Muon."""
-    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+    """megatron-core's split (``is_matrix_param``): a 2-D param not marked ``is_embedding_or_output_parameter``
+    gets Muon."""
+    return is_matrix_param(param)
 
 
 _SCALES = {  # (rows, cols) of the orthogonalised piece -> its scale

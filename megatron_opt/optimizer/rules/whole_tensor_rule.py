@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import torch
 
@@ -77,7 +77,7 @@ class WholeTensorRule(UpdateRule):
         """megatron-core's split for its matrix optimizers (``is_matrix_param``); the rest goes to AdamW."""
         return is_matrix_param(param)
 
-    def param_split(self) -> Optional[Any]:
+    def param_split(self) -> Optional[Callable[[torch.Tensor], bool]]:
         return self.takes
 
     @property

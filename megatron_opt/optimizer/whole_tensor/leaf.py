@@ -163,12 +163,12 @@ class WholeTensorLeaf(OptimizerLeaf):
                 directions[piece_key(self._chunk_of[id(src)], s.shard, pc.param_index)] = \
                     u[pc.shard_range.start:pc.shard_range.end]
         device = self.step.device
+        facts = self._facts()
         tolerances: Optional[dict[MatrixKey, torch.Tensor]] = None
         if self.has_matrix_state:
             bounds_at_home: dict[MatrixKey, torch.Tensor] = {}
             self._matrix_checks = []
             step = int(self.step)
-            facts = self._facts()
 
             def recompute(items):
                 # A state_follows_update rule: part 2's update in float64 (across TP where the rule computes it
@@ -197,7 +197,6 @@ class WholeTensorLeaf(OptimizerLeaf):
                                            device, dtype=torch.float64)
         else:
             updates = self.exchange.run(directions, self._stateless_updates, device, dtype=torch.float64)
-        facts = self._facts()
         out = []
         for (src, s), w0, st, (values, bounds) in zip(shards, masters, states, first_parts):
             last = {n: (torch.zeros_like(w0, dtype=torch.float64), torch.zeros_like(w0, dtype=torch.float64))

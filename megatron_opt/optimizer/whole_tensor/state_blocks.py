@@ -16,6 +16,7 @@ import torch
 
 from ... import collectives
 from ...errors import UnsupportedConfigError
+from .tensor_parallel_newton_schulz import partition_dim_of
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (offset in the TP-local param, shape) of one state block
 
@@ -68,8 +69,8 @@ def state_blocks_of(name: str, shape: Sequence[int], param: torch.nn.Parameter, 
             f"matrix_state_tp_size={state_tp_size} is not a multiple of this run's tensor-parallel size {run_tp}: "
             f"the per-matrix state can keep the blocks of a finer split only; use a multiple of {run_tp} (or 0).")
     count = state_tp_size // run_tp
-    dim = getattr(param, "partition_dim", -1)
-    if count == 1 or not getattr(param, "tensor_model_parallel", False) or dim not in (0, 1):
+    dim = partition_dim_of(param)
+    if count == 1 or dim is None:
         return StateBlocks()
     if getattr(param, "partition_stride", 1) != 1:
         raise UnsupportedConfigError(

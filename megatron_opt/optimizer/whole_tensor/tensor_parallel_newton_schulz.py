@@ -47,17 +47,23 @@ class TensorSplit:
         return (self.size, 1) if self.partition_dim == 0 else (1, self.size)
 
 
+def partition_dim_of(param: torch.Tensor) -> Optional[int]:
+    """The dimension along which megatron-core splits a 2-D param over tensor parallelism (its
+    ``tensor_model_parallel`` and ``partition_dim`` attributes, which it sets at TP 1 too); None when it is not split
+    (partition_dim -1 is megatron-core's "not split")."""
+    dim = getattr(param, "partition_dim", -1)
+    return int(dim) if getattr(param, "tensor_model_parallel", False) and dim in (0, 1) else None
+
+
 def tensor_split_of(param: torch.Tensor, group: Optional[torch.distributed.ProcessGroup],
                     tp_mode: str) -> Optional[TensorSplit]:
     """The split of a TP-split 2-D param orthogonalised across TP (``tp_mode`` duplicated or distributed);
     None when it is orthogonalised locally (blockwise, not split over TP, or one TP rank). ``group``: the
     shard's ``tensor_parallel_group`` (the expert TP group for expert buckets)."""
-    if tp_mode == "blockwise" or group is None or not getattr(param, "tensor_model_parallel", False):
+    dim = partition_dim_of(param)
+    if tp_mode == "blockwise" or group is None or dim is None or collectives.world_size(group) == 1:
         return None
-    dim = getattr(param, "partition_dim", -1)
-    if dim not in (0, 1) or collectives.world_size(group) == 1:  # megatron-core: partition_dim -1 is "not split"
-        return None
-    return TensorSplit(int(dim), collectives.world_size(group), collectives.rank(group), group)
+    return TensorSplit(dim, collectives.world_size(group), collectives.rank(group), group)
 
 
 def own_block(full: torch.Tensor, split: TensorSplit) -> torch.Tensor:
@@ -142,5 +148,5 @@ def _distributed(rule: Muon, pieces: list[tuple[torch.Tensor, TensorSplit]]) -> 
     return outs
 
 
-__all__ = ["TensorSplit", "tensor_split_of", "orthogonalize_split", "own_block", "reduce_gram",
+__all__ = ["TensorSplit", "partition_dim_of", "tensor_split_of", "orthogonalize_split", "own_block", "reduce_gram",
            "reduce_over_tensor_parallel"]
