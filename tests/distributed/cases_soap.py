@@ -140,6 +140,25 @@ def train(steps: int, use_kl_shampoo: bool = True, shampoo_beta: float = 0.95, i
     return out
 
 
+def blocks_refused(change: str) -> str:
+    """matrix_state_tp_size 2 at TP1 over a layout it cannot cut (``change``: 'size' asks for 3 blocks of 'a''s 10
+    rows; 'stride' marks 'a' split with stride 2, as SwiGLU's fc1): the message raised, or 'built'."""
+    model = SoapNet()
+    for name, dim in TP_SPLIT.items():
+        param = model.get_parameter(name)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+    if change == "stride":
+        model.a.weight.partition_stride = 2
+    ddp = mo.DistributedDataParallel(model, mo.DistributedDataParallelConfig(use_distributed_optimizer=True))
+    size = 3 if change == "size" else 2
+    try:
+        mo.get_megatron_optimizer(mo.OptimizerConfig(optimizer="soap", lr=LR, use_distributed_optimizer=True,
+                                                     rule_constants={"matrix_state_tp_size": size}), ddp)
+    except mo.UnsupportedConfigError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "built"
+
+
 def resume(path: str, phase: str, steps: int, resave_path: str = "") -> dict:
     """'straight': ``steps`` steps. 'first': half, then megatron_opt.checkpoint.save. 'second': load (at this pool's
     DP size), save again as ``resave_path``, then the other half. Returns the params and this rank's per-matrix
@@ -278,5 +297,5 @@ def verified(steps: int, fault: str = "none", use_kl_shampoo: bool = True, weigh
     return out
 
 
-__all__ = ["SoapNet", "MATRICES", "HOMED_BLOCKS", "train", "verified", "resume", "state_dict_round_trip",
-           "state_dict_without_matrix_state"]
+__all__ = ["SoapNet", "MATRICES", "HOMED_BLOCKS", "train", "blocks_refused", "verified", "resume",
+           "state_dict_round_trip", "state_dict_without_matrix_state"]

@@ -50,6 +50,17 @@ def test_soap_keeping_the_blocks_of_a_tp2_split_runs_on_each_block(pools, world)
            homed_keys=cases_soap.HOMED_BLOCKS)
 
 
+@pytest.mark.parametrize("change, match", [
+    ("size", "matrix_state_tp_size=3: a.weight of shape (10, 10) does not cut into 3 blocks along dim 0"),
+    ("stride", "matrix_state_tp_size=2: a.weight is split over tensor parallelism with stride 2 (SwiGLU"),
+])
+def test_kept_blocks_the_layout_cannot_cut_are_refused_on_every_rank(pools, change, match):
+    """The same UnsupportedConfigError on every rank, naming the param and the way on; every rank finishes (the
+    pool's timeout bounds it)."""
+    message = the_same_on_every_rank(pools(2).run(cases_soap.blocks_refused, change, timeout=TIMEOUT))
+    assert message.startswith("UnsupportedConfigError") and match in message, message
+
+
 def test_soap_keeping_the_blocks_of_a_tp2_split_passes_verify_mode_with_kl_shampoo(pools):
     """KL-Shampoo on the kept blocks: verify mode (raising) checks every block's step at its home in float64."""
     results = pools(2).run(cases_soap.train, 4, blocks=True, verify_interval=1, verify_action="raise",

@@ -162,25 +162,3 @@ def test_megatron_cores_soap_moves_by_o1_for_a_one_ulp_gradient_change():
     a = first_update(grad.clone())
     b = first_update(torch.nextafter(grad, torch.full_like(grad, 1.0)))
     assert float((a - b).norm() / a.norm()) > 0.1
-
-
-def test_state_blocks_cut_a_tp_split_matrix_along_its_partition_dim_or_refuse_by_name():
-    from megatron_opt.optimizer.whole_tensor.state_blocks import StateBlocks, state_blocks_of
-
-    def param(shape, dim=None, stride=1):
-        p = torch.nn.Parameter(torch.zeros(shape))
-        if dim is not None:
-            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, stride
-        return p
-
-    shard = object()  # no tensor_parallel_group: tensor-parallel size 1
-    assert state_blocks_of("w", (8, 6), param((8, 6), 0), shard, 0) == StateBlocks()
-    assert state_blocks_of("w", (8, 6), param((8, 6)), shard, 2) == StateBlocks()  # not TP-split: whole
-    blocks = state_blocks_of("w", (8, 6), param((8, 6), 1), shard, 2)
-    assert blocks == StateBlocks(1, 2) and blocks.blocks((8, 6)) == [((0, 0), (8, 3)), ((0, 3), (8, 3))]
-    m = torch.arange(48.0).reshape(8, 6)
-    assert torch.equal(blocks.join(blocks.split(m)), m)
-    with pytest.raises(mo.UnsupportedConfigError, match="matrix_state_tp_size=4: w of shape \\(6, 6\\) does not cut"):
-        state_blocks_of("w", (6, 6), param((6, 6), 0), shard, 4)
-    with pytest.raises(mo.UnsupportedConfigError, match="stride 2 \\(SwiGLU"):
-        state_blocks_of("w", (8, 6), param((8, 6), 0, stride=2), shard, 2)
